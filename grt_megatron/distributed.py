@@ -1,0 +1,83 @@
+"""Process-group and model-parallel set-up, the same for one plain `python` process and for torchrun."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from grt_megatron.cpu_shims import apply_cpu_shims
+
+
+@dataclass(frozen=True)
+class DistributedInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return parallel_state.get_data_parallel_world_size()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0) -> DistributedInfo:
+    """Start the process group (gloo on CPU, nccl on GPU) and megatron's parallel state; seed all RNGs.
+
+    Without a launcher this is a world of one; DeepSpeed reads the same env variables we set here.
+    """
+    apply_cpu_shims()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by parallel.tp × parallel.pp = {tp * pp}")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    seed_everything(seed)
+    return DistributedInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def seed_everything(seed: int) -> None:
+    """Python, numpy and torch seeds, plus megatron's model-parallel RNG tracker (differs across TP ranks)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,216 @@
+"""The GRT model configuration: megatron-core's `TransformerConfig` plus the recurrence fields.
+
+A model is written `P+K×R+C`: P prelude layers, a K-layer core run R times, C coda layers.
+Dense GPT is `gate="none", injection="none", recurrences=1` (see `GRTConfig.dense`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+INJECTIONS = ("concat_project", "add", "none")
+GATES = ("mlp", "none")
+NOISE_SHAPES = ("per_token", "per_element")
+INITIAL_STATES = ("prelude", "random")
+POSITION_EMBEDDINGS = ("learned", "rope")
+DEPTH_SAMPLERS = ("fixed", "uniform", "heavy_tail")
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
+
+# Settings that only make sense with CUDA kernels (apex / TE / fused jit). grt-megatron builds the
+# model on the portable path everywhere; GPU users who want fusions can flip them in a recipe.
+_PORTABLE_DEFAULTS = dict(
+    use_cpu_initialization=True,
+    gradient_accumulation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    bias_activation_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+)
+
+
+class ConfigError(ValueError):
+    """A model or run configuration that cannot be built; the message names the field."""
+
+
+@dataclass
+class GRTConfig(TransformerConfig):
+    """Everything that defines a GRT (or dense, or depth-reuse baseline) language model."""
+
+    vocab_size: int = 50304
+    """Tokenizer vocabulary; the embedding is padded to `padded_vocab_size`."""
+
+    max_sequence_length: int = 1024
+
+    prelude_layers: int = 1
+    core_layers: int = 1
+    coda_layers: int = 1
+    recurrences: int = 1
+    """R: core repetitions at evaluation/inference, and the upper bound (or mean) when training."""
+
+    injection: str = "concat_project"
+    """How the prelude output re-enters the core: `concat_project` (W_in·[h+eps, h_pre]), `add`
+    (h+eps+h_pre) or `none` (h+eps)."""
+
+    gate: str = "mlp"
+    """`mlp`: h_r = g*h + (1-g)*o with g = sigmoid(MLP([LN(h), LN(h_pre)])/tau + eps); `none`: h_r = o."""
+
+    gate_bias_init: float = 4.0
+    gate_temperature: float = 1.0
+    noise_sigma: float = 0.1
+    noise_shape: str = "per_token"
+    initial_state: str = "prelude"
+    initial_state_std: float = 0.02
+
+    tie_embeddings: bool = True
+    position_embedding: str = "learned"
+    rotary_base: int = 10000
+
+    depth_sampler: str = "uniform"
+    heavy_tail_sigma: float = 0.5
+    heavy_tail_k: int = 8
+
+    checkpoint_recurrence: bool = False
+    """Recompute each recurrence step in backward so activation memory does not grow with R."""
+
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("injection", INJECTIONS),
+            ("gate", GATES),
+            ("noise_shape", NOISE_SHAPES),
+            ("initial_state", INITIAL_STATES),
+            ("position_embedding", POSITION_EMBEDDINGS),
+            ("depth_sampler", DEPTH_SAMPLERS),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"model.{name}={value!r} is not one of {', '.join(allowed)}")
+        for name in ("prelude_layers", "coda_layers"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("core_layers", "recurrences", "vocab_size", "max_sequence_length", "heavy_tail_k"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.noise_sigma < 0:
+            raise ConfigError(f"model.noise_sigma must be >= 0, got {self.noise_sigma}")
+        if self.gate_temperature <= 0:
+            raise ConfigError(f"model.gate_temperature must be > 0, got {self.gate_temperature}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        # megatron-core's TransformerConfig counts unique layers; the executed depth is in `depth()`.
+        self.num_layers = self.prelude_layers + self.core_layers + self.coda_layers
+        super().__post_init__()
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocab rounded up to a multiple of 128 × TP, as Megatron-LM pads it."""
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def depth(self, recurrences: int | None = None) -> int:
+        """Layer executions per token: P + K·R + C."""
+        r = self.recurrences if recurrences is None else recurrences
+        return self.prelude_layers + self.core_layers * r + self.coda_layers
+
+    @property
+    def shape_name(self) -> str:
+        return f"{self.prelude_layers}+{self.core_layers}x{self.recurrences}+{self.coda_layers}"
+
+    @property
+    def is_dense(self) -> bool:
+        return self.recurrences == 1 and self.gate == "none" and self.injection == "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe-level fields (plain data), enough to rebuild this config with `from_recipe`."""
+        return {name: getattr(self, name) for name in RECIPE_FIELDS}
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_recipe(
+        cls, recipe: Mapping[str, Any], *, precision: str = "fp32", **parallel: Any
+    ) -> "GRTConfig":
+        """Build from a hydra model recipe (a flat mapping); unknown keys are refused by name."""
+        recipe = dict(recipe)
+        recipe.pop("name", None)
+        unknown = sorted(set(recipe) - set(RECIPE_FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"unknown model field(s) {', '.join(unknown)}; known fields: {', '.join(RECIPE_FIELDS)}"
+            )
+        activation = recipe.pop("activation", "gelu")
+        if activation not in ACTIVATIONS:
+            raise ConfigError(f"model.activation={activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        if precision not in ("fp32", "bf16"):
+            raise ConfigError(f"train.precision={precision!r} is not one of fp32, bf16")
+        kwargs = dict(_PORTABLE_DEFAULTS)
+        kwargs.update(recipe)
+        kwargs.update(parallel)
+        kwargs["activation_func"] = ACTIVATIONS[activation]
+        kwargs["bf16"] = precision == "bf16"
+        kwargs["params_dtype"] = torch.bfloat16 if precision == "bf16" else torch.float32
+        try:
+            return cls(**kwargs)
+        except TypeError as err:  # a wrong type in a recipe surfaces here
+            raise ConfigError(f"model recipe: {err}") from None
+
+    @property
+    def activation(self) -> str:
+        for name, fn in ACTIVATIONS.items():
+            if fn is self.activation_func:
+                return name
+        raise ConfigError(f"activation {self.activation_func} has no recipe name")
+
+    def dense_equivalent(self) -> "GRTConfig":
+        """The dense model with the same unique layers run once (R=1, no gate, no injection)."""
+        return dataclasses.replace(self, recurrences=1, gate="none", injection="none", noise_sigma=0.0,
+                                   depth_sampler="fixed")
+
+
+# Fields a recipe may set. Everything else in TransformerConfig keeps megatron-core's default.
+RECIPE_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "normalization",
+    "activation",
+    "add_bias_linear",
+    "hidden_dropout",
+    "attention_dropout",
+    "init_method_std",
+    "layernorm_epsilon",
+    "vocab_size",
+    "max_sequence_length",
+    "prelude_layers",
+    "core_layers",
+    "coda_layers",
+    "recurrences",
+    "injection",
+    "gate",
+    "gate_bias_init",
+    "gate_temperature",
+    "noise_sigma",
+    "noise_shape",
+    "initial_state",
+    "initial_state_std",
+    "tie_embeddings",
+    "position_embedding",
+    "rotary_base",
+    "depth_sampler",
+    "heavy_tail_sigma",
+    "heavy_tail_k",
+    "checkpoint_recurrence",
+    "make_vocab_size_divisible_by",
+)

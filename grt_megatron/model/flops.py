@@ -1,0 +1,71 @@
+"""Closed-form parameter counts and FLOPs per token, from the recurrences actually executed.
+
+Forward FLOPs per token (PAPER_NOTES): (P + K·R + C)·(24d² + 4Sd) + 10·R·d² for the gate and projection,
+generalised here to any FFN width, to the variants without gate/projection, and with the output layer
+(2·d·V) reported as its own term. Training counts 3× forward for steps with gradient and 1× for the
+heavy-tail sampler's no-grad steps; recomputation from activation checkpointing is not model FLOPs.
+"""
+
+from __future__ import annotations
+
+from grt_megatron.model.config import GRTConfig
+from grt_megatron.model.depth_sampler import DepthDraw
+
+
+def _layer_flops(cfg: GRTConfig, seq_len: int) -> int:
+    d, f = cfg.hidden_size, cfg.ffn_hidden_size
+    linear = 2 * (4 * d * d + 2 * d * f)  # QKV + output projection, MLP up + down
+    attention = 4 * seq_len * d  # scores and weighted sum, full (not causal-halved) as in the paper
+    return linear + attention
+
+
+def _recurrence_extra_flops(cfg: GRTConfig) -> int:
+    d = cfg.hidden_size
+    flops = 0
+    if cfg.injection == "concat_project":
+        flops += 2 * (2 * d * d)
+    if cfg.gate == "mlp":
+        flops += 2 * (2 * d * d + d * d)
+    return flops
+
+
+def forward_flops_per_token(cfg: GRTConfig, seq_len: int, recurrences: int | None = None) -> dict[str, int]:
+    """Forward FLOPs per token by part, and `total` (output layer included)."""
+    r = cfg.recurrences if recurrences is None else recurrences
+    parts = {
+        "layers": cfg.depth(r) * _layer_flops(cfg, seq_len),
+        "recurrence": r * _recurrence_extra_flops(cfg),
+        "output_layer": 2 * cfg.hidden_size * cfg.padded_vocab_size,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def train_flops_per_token(cfg: GRTConfig, seq_len: int, draw: DepthDraw) -> int:
+    """Model FLOPs of one training step per token: 3× forward, except 1× for no-grad core steps."""
+    full = forward_flops_per_token(cfg, seq_len, draw.recurrences)["total"]
+    no_grad_core = draw.no_grad_recurrences * (
+        cfg.core_layers * _layer_flops(cfg, seq_len) + _recurrence_extra_flops(cfg)
+    )
+    return 3 * full - 2 * no_grad_core
+
+
+def count_parameters(cfg: GRTConfig) -> dict[str, int]:
+    """Unique parameters by part (closed form, no model built); `total` counts tied weights once."""
+    d, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.padded_vocab_size
+    bias = 1 if cfg.add_bias_linear else 0
+    norm = 2 * d if cfg.normalization == "LayerNorm" else d
+    layer = (
+        norm + (3 * d * d + 3 * d * bias) + (d * d + d * bias)  # LN, QKV, attention output
+        + norm + (d * f + f * bias) + (f * d + d * bias)  # LN, MLP up, MLP down
+    )
+    parts = {
+        "embedding": v * d + (cfg.max_sequence_length * d if cfg.position_embedding == "learned" else 0),
+        "layers": cfg.num_layers * layer,
+        "injection": 2 * d * d if cfg.injection == "concat_project" else 0,
+        "gate": (2 * norm + 2 * d * d + d + d * d + d) if cfg.gate == "mlp" else 0,
+        "final_norm": norm,
+        "output_layer": 0 if cfg.tie_embeddings else v * d,
+    }
+    parts["total"] = sum(parts.values())
+    return parts

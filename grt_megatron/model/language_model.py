@@ -1,0 +1,79 @@
+"""The GRT language model: embedding → gated recurrent block → final norm → (tied) output layer.
+
+Dense GPT and every depth-reuse baseline are this class with other `GRTConfig` values.
+Tensors inside are megatron's [sequence, batch, hidden]; the public interface is [batch, sequence].
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+
+from grt_megatron.model.config import GRTConfig
+from grt_megatron.model.specs import get_grt_block_spec, get_norm_spec
+
+
+def causal_attention_mask(seq_len: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, s, s] boolean mask, True where attention is forbidden (megatron's convention)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+class GRTLanguageModel(MegatronModule):
+    def __init__(self, config: GRTConfig):
+        super().__init__(config=config)
+        self.config: GRTConfig = config
+        self.embedding = LanguageModelEmbedding(
+            config=config,
+            vocab_size=config.padded_vocab_size,
+            max_sequence_length=config.max_sequence_length,
+            position_embedding_type="rope" if config.position_embedding == "rope" else "learned_absolute",
+        )
+        self.rotary_pos_emb = None
+        if config.position_embedding == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=config.rotary_base,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
+        self.block = build_module(get_grt_block_spec(config), config=config)
+        self.final_norm = build_module(
+            get_norm_spec(), config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+        )
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, config.padded_vocab_size, config=config, init_method=config.init_method,
+            bias=False, gather_output=False, skip_weight_param_allocation=config.tie_embeddings,
+        )
+
+    def _output_weight(self) -> Optional[torch.Tensor]:
+        return self.embedding.word_embeddings.weight if self.config.tie_embeddings else None
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        recurrences: Optional[int] = None,
+        grad_recurrences: Optional[int] = None,
+    ) -> torch.Tensor:
+        """tokens [b, s] → per-token loss [b, s] (fp32) when `labels` is given, else logits [b, s, V]
+        over the tokenizer's vocabulary (TP-gathered, padding cut)."""
+        b, s = tokens.shape
+        if s > self.config.max_sequence_length:
+            raise ValueError(f"sequence of {s} tokens exceeds model.max_sequence_length="
+                             f"{self.config.max_sequence_length}")
+        position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        hidden = self.embedding(input_ids=tokens, position_ids=position_ids)
+        rope = self.rotary_pos_emb(s) if self.rotary_pos_emb is not None else None
+        mask = causal_attention_mask(s, tokens.device)
+        hidden = self.block(hidden, mask, rope, recurrences=recurrences, grad_recurrences=grad_recurrences)
+        hidden = self.final_norm(hidden)
+        logits, _ = self.output_layer(hidden, weight=self._output_weight())
+        if labels is not None:
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+            return loss.transpose(0, 1).contiguous()
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return logits[..., : self.config.vocab_size].transpose(0, 1).contiguous()

@@ -1,0 +1,1 @@
+"""Training: run configuration, DeepSpeed engine, the loop, metrics, and the `grt-train` command."""

@@ -1,0 +1,153 @@
+"""The run configuration: typed sections that hydra recipes fill in (`recipes/`).
+
+The model section stays a plain mapping validated by `GRTConfig.from_recipe`; every other section is a
+dataclass here, so a misspelt or mistyped key fails before anything is built, naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from grt_megatron.model.config import ConfigError, GRTConfig
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 20_000
+    micro_batch_size: int = 8
+    global_batch_size: int = 480
+    seq_length: Optional[int] = None
+    """Tokens per sample; defaults to model.max_sequence_length."""
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_iters: int = 2000
+    decay_iters: Optional[int] = None
+    """Cosine decay length; defaults to `iters`."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    precision: str = "bf16"
+    optimizer: str = "torch"
+    """`torch`: torch.optim.AdamW built by us; `deepspeed`: DeepSpeed's AdamW from its config
+    (fused/cpu Adam; JIT-compiles on first use)."""
+    log_interval: int = 1
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    sample_tokens: int = 0
+    """Print a sample of this many tokens at the end of training (0: none)."""
+    sample_prompt: str = ""
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin:pydoc_topics"
+    """`builtin:pydoc_topics` (the Python reference that ships with CPython), a .txt/.jsonl file,
+    or a Hugging Face dataset `name[:config][@split]`."""
+    text_key: str = "text"
+    tokenizer: Optional[str] = None
+    """A sentencepiece .model to load; None trains one on the corpus (saved in the run dir)."""
+    vocab_size: int = 2048
+    valid_fraction: float = 0.05
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 0
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "auto"
+    """auto (online with WANDB_API_KEY, else offline), online, offline, disabled."""
+    wandb_project: str = "grt-megatron"
+    progress: bool = True
+
+
+@dataclass
+class RunDirConfig:
+    dir: str = "runs/default"
+    name: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    model: dict[str, Any] = field(default_factory=dict)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunDirConfig = field(default_factory=RunDirConfig)
+    seed: int = 1234
+
+    def model_config(self, vocab_size: int) -> GRTConfig:
+        recipe = dict(self.model)
+        if recipe.get("vocab_size") is None:
+            recipe["vocab_size"] = vocab_size
+        elif recipe["vocab_size"] < vocab_size:
+            raise ConfigError(f"model.vocab_size={recipe['vocab_size']} is smaller than the tokenizer's "
+                              f"vocabulary ({vocab_size})")
+        return GRTConfig.from_recipe(
+            recipe,
+            precision=self.train.precision,
+            tensor_model_parallel_size=self.parallel.tp,
+            pipeline_model_parallel_size=self.parallel.pp,
+            sequence_parallel=self.parallel.sp,
+        )
+
+    @property
+    def seq_length(self) -> int:
+        return self.train.seq_length or int(self.model.get("max_sequence_length", 1024))
+
+    def to_dict(self) -> dict[str, Any]:
+        return OmegaConf.to_container(OmegaConf.structured(self), resolve=True)  # type: ignore[return-value]
+
+
+_CHOICES = {
+    "train.precision": ("fp32", "bf16"),
+    "train.optimizer": ("torch", "deepspeed"),
+    "logging.wandb": ("auto", "online", "offline", "disabled"),
+}
+
+
+def build_run_config(cfg: DictConfig | dict) -> RunConfig:
+    """Validate a composed hydra config against the schema; errors name the offending key."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    cfg.pop("hydra", None)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+        run: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None)
+        first_line = str(err).splitlines()[0]
+        raise ConfigError(f"config key {key}: {first_line}" if key else f"config: {first_line}") from None
+    for key, allowed in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(run, section), name)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    t = run.train
+    for key in ("iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_interval", "eval_iters"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    if run.deepspeed.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed.zero_stage={run.deepspeed.zero_stage} is not one of 0, 1, 2, 3")
+    if not 0 < run.data.valid_fraction < 1:
+        raise ConfigError(f"data.valid_fraction must be in (0, 1), got {run.data.valid_fraction}")
+    return run

@@ -1,0 +1,112 @@
+"""Optimizer, LR schedule and the DeepSpeed engine around the model."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import deepspeed
+import torch
+from megatron.core import parallel_state
+
+from grt_megatron.model.config import ConfigError
+from grt_megatron.training.config import RunConfig
+
+
+class MegatronMPU:
+    """What DeepSpeed asks of an `mpu`, answered from megatron-core's parallel state.
+
+    DeepSpeed calls the tensor-parallel group the "model parallel" group (for grad-norm de-duplication
+    and ZeRO partitioning); megatron-core names it `tensor_model_parallel`.
+    """
+
+    get_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
+    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only; norms and biases (1-D) are not decayed, as in Megatron-LM."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def lr_lambda(train_cfg, base_lr: float):
+    """Linear warmup to `lr`, cosine decay to `min_lr` at `decay_iters`, then constant."""
+    warmup = train_cfg.warmup_iters
+    decay_iters = train_cfg.decay_iters or train_cfg.iters
+    floor = train_cfg.min_lr / base_lr
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if step >= decay_iters:
+            return floor
+        progress = (step - warmup) / max(1, decay_iters - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def batch_layout(cfg: RunConfig, dp_size: int) -> tuple[int, int]:
+    """(micro batch size, gradient accumulation steps) for this data-parallel size."""
+    t = cfg.train
+    per_step = t.micro_batch_size * dp_size
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size}) × data-parallel size ({dp_size})"
+        )
+    return t.micro_batch_size, t.global_batch_size // per_step
+
+
+def deepspeed_config(cfg: RunConfig, dp_size: int, clip_in_deepspeed: bool = True) -> dict[str, Any]:
+    t = cfg.train
+    micro, accumulation = batch_layout(cfg, dp_size)
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": t.grad_clip if clip_in_deepspeed else 0.0,
+        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if t.optimizer == "deepspeed":
+        ds["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.adam_eps,
+                       "weight_decay": t.weight_decay},
+        }
+    return ds
+
+
+def build_engine(model: torch.nn.Module, cfg: RunConfig, dp_size: int, clip_in_deepspeed: bool = True):
+    """Wrap the model with `deepspeed.initialize` (ZeRO stage, precision, clipping from the run config)."""
+    t = cfg.train
+    groups = param_groups(model, t.weight_decay)
+    optimizer = None
+    if t.optimizer == "torch":
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        model_parameters=groups,
+        config=deepspeed_config(cfg, dp_size, clip_in_deepspeed),
+        # DeepSpeed builds the schedule on its inner (unwrapped) optimizer and steps it once per
+        # optimizer step, and saves it with its checkpoints.
+        lr_scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(t, t.lr)),
+        mpu=MegatronMPU(),
+        dist_init_required=False,
+    )
+    return engine

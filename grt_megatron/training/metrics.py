@@ -1,0 +1,76 @@
+"""Run logging: `metrics.jsonl` (one JSON object per optimizer step and per eval) and wandb."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+
+def quiet_known_warnings() -> None:
+    """megatron-core and DeepSpeed warn at import about optional CUDA extensions (apex, TE) and
+    upcoming API changes; on the portable path these are expected and drown the run's own output."""
+    for pattern in (
+        ".*Apex is not installed.*",
+        ".*Transformer Engine and Apex are not installed.*",
+        ".*tp_group is None.*",
+        ".*full scope is deprecated.*",
+        ".*requires ffn_hidden_size.*",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(megatron|deepspeed|torch\.jit).*")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if _cuda_available() else "cpu")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def wandb_mode(requested: str) -> str:
+    if requested == "auto":
+        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return requested
+
+
+class MetricsLogger:
+    """Writes on the main rank only; every line is flushed so a killed run keeps what it logged."""
+
+    def __init__(self, run_dir: Path, enabled: bool, wandb: str, project: str, name: Optional[str],
+                 config: dict[str, Any]):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = self.path.open("a", encoding="utf-8") if enabled else None
+        self._wandb = None
+        mode = wandb_mode(wandb)
+        if enabled and mode != "disabled":
+            import wandb as wandb_lib
+
+            self._wandb = wandb_lib.init(project=project, name=name, dir=str(run_dir), mode=mode,
+                                         config=config, reinit="finish_previous")
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            prefix = record.get("split", "train")
+            self._wandb.log({f"{prefix}/{k}": v for k, v in record.items() if k not in ("step", "split")},
+                            step=record["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,199 @@
+"""The training loop: data → depth draw → DeepSpeed forward/backward/step → metrics, eval, sample."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.utils import clip_grad_norm_
+from tqdm import tqdm
+
+from grt_megatron import __version__
+from grt_megatron.data import Tokenizer, eval_batches, load_documents, load_token_splits, train_batch
+from grt_megatron.distributed import DistributedInfo, destroy_distributed, init_distributed
+from grt_megatron.generation import sample_text
+from grt_megatron.model import ConfigError, DepthSampler, GRTConfig, GRTLanguageModel, train_flops_per_token
+from grt_megatron.training.config import RunConfig
+from grt_megatron.training.engine import MegatronMPU, batch_layout, build_engine
+from grt_megatron.training.metrics import MetricsLogger
+
+
+@dataclass
+class TrainResult:
+    final_train_loss: float
+    final_valid_loss: float
+    steps: int
+    seconds: float
+    sample: Optional[str]
+
+
+def prepare_tokenizer(cfg: RunConfig, run_dir: Path, info: DistributedInfo) -> Tokenizer:
+    """Load `data.tokenizer`, or train one on the corpus on rank 0; every rank then reads the same file."""
+    if cfg.data.tokenizer:
+        return Tokenizer.load(cfg.data.tokenizer)
+    path = run_dir / "tokenizer.model"
+    if info.is_main and not path.exists():
+        Tokenizer.train(load_documents(cfg.data.source, cfg.data.text_key), cfg.data.vocab_size).save(path)
+    dist.barrier()
+    return Tokenizer.load(path)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        if (self.run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"run.dir={str(self.run_dir)!r} already holds a run (metrics.jsonl); "
+                              "choose a new run.dir")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
+        self.seq_length = cfg.seq_length
+        self.tokenizer = prepare_tokenizer(cfg, self.run_dir, self.info)
+        self.data = load_token_splits(cfg.data.source, cfg.data.text_key, self.tokenizer,
+                                      cfg.data.valid_fraction, self.seq_length)
+        self.model_config: GRTConfig = cfg.model_config(self.tokenizer.vocab_size)
+        if self.seq_length > self.model_config.max_sequence_length:
+            raise ConfigError(f"train.seq_length={self.seq_length} exceeds model.max_sequence_length="
+                              f"{self.model_config.max_sequence_length}")
+        self.model = GRTLanguageModel(self.model_config)
+        self.micro_batch, self.accumulation = batch_layout(cfg, self.info.dp_size)
+        # Clipping with fp32 and no ZeRO is done here, because only then DeepSpeed does not report
+        # the grad norm it computes; every other layout clips inside DeepSpeed's optimizer wrapper.
+        self.clip_here = cfg.deepspeed.zero_stage == 0 and cfg.train.precision == "fp32"
+        self.engine = build_engine(self.model, cfg, self.info.dp_size, clip_in_deepspeed=not self.clip_here)
+        self.sampler = DepthSampler.from_config(self.model_config, cfg.seed)
+        self.eval_data = eval_batches(self.data.valid, self.seq_length, self.micro_batch, cfg.train.eval_iters)
+        self.logger = MetricsLogger(self.run_dir, self.info.is_main, cfg.logging.wandb,
+                                    cfg.logging.wandb_project, cfg.run.name, cfg.to_dict())
+        if self.info.is_main:
+            self._write_run_info()
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def _write_run_info(self) -> None:
+        info = {
+            "version": __version__,
+            "config": self.cfg.to_dict(),
+            "model": self.model_config.to_dict(),
+            "model_shape": self.model_config.shape_name,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "tokenizer_sha256": self.tokenizer.identity,
+            "train_tokens": int(len(self.data.train)),
+            "valid_tokens": int(len(self.data.valid)),
+            "world_size": self.info.world_size,
+        }
+        tmp = self.run_dir / "run_info.json.tmp"
+        tmp.write_text(json.dumps(info, indent=2))
+        tmp.replace(self.run_dir / "run_info.json")
+
+    def _to_device(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.from_numpy(rows).to(self.info.device)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        value = value.detach().float().clone()
+        if self.info.dp_size > 1:
+            from megatron.core import parallel_state
+
+            dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+            value /= self.info.dp_size
+        return float(value.item())
+
+    # ---- steps --------------------------------------------------------------------------------
+    def train_step(self, iteration: int) -> dict:
+        cfg = self.cfg
+        draw = self.sampler.draw(iteration)
+        lr = float(self.engine.get_lr()[0])  # the rate this step's update uses
+        batch = train_batch(self.data.train, self.seq_length, cfg.seed, iteration, cfg.train.global_batch_size)
+        per_rank = self.micro_batch * self.accumulation
+        rows = batch[self.info.dp_rank * per_rank : (self.info.dp_rank + 1) * per_rank]
+        total = torch.zeros((), dtype=torch.float32, device=self.info.device)
+        grad_norm = None
+        for micro in rows.reshape(self.accumulation, self.micro_batch, -1):
+            tokens, labels = self._to_device(micro)
+            loss = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences).mean()
+            self.engine.backward(loss)
+            if self.clip_here and self.engine.is_gradient_accumulation_boundary():
+                grad_norm = float(clip_grad_norm_(list(self.engine.module.parameters()),
+                                                  cfg.train.grad_clip, mpu=MegatronMPU()))
+            self.engine.step()
+            total += loss.detach().float()
+        if grad_norm is None:
+            grad_norm = self.engine.get_global_grad_norm()
+        return {
+            "loss": self._dp_mean(total / self.accumulation),
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "recurrences": draw.recurrences,
+            "grad_recurrences": draw.grad_recurrences,
+            "flops_per_token": train_flops_per_token(self.model_config, self.seq_length, draw),
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss at the configured R, noise off (eval mode), over fixed windows."""
+        self.engine.eval()
+        losses = [self.engine(*self._to_device(rows)).mean() for rows in self.eval_data]
+        self.engine.train()
+        return self._dp_mean(torch.stack(losses).mean())
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        cfg = self.cfg
+        tokens_per_step = cfg.train.global_batch_size * self.seq_length
+        start = time.perf_counter()
+        progress = tqdm(range(cfg.train.iters), desc="train", unit="step", dynamic_ncols=True,
+                        disable=not (self.info.is_main and cfg.logging.progress))
+        loss, valid = float("nan"), float("nan")
+        for iteration in progress:
+            step_start = time.perf_counter()
+            stats = self.train_step(iteration)
+            seconds = time.perf_counter() - step_start
+            step = iteration + 1
+            loss = stats["loss"]
+            record = {
+                "step": step,
+                "loss": loss,
+                "grad_norm": stats["grad_norm"],
+                "lr": stats["lr"],
+                "recurrences": stats["recurrences"],
+                "grad_recurrences": stats["grad_recurrences"],
+                "tokens": step * tokens_per_step,
+                "step_seconds": seconds,
+                "tokens_per_s": tokens_per_step / seconds,
+                "flops_per_s": stats["flops_per_token"] * tokens_per_step / seconds,
+            }
+            if step % cfg.train.log_interval == 0 or step == cfg.train.iters:
+                self.logger.log(record)
+            progress.set_postfix(loss=f"{loss:.3f}", R=stats["recurrences"], refresh=False)
+            if step % cfg.train.eval_interval == 0 or step == cfg.train.iters:
+                valid = self.evaluate()
+                self.logger.log({"step": step, "split": "valid", "loss": valid,
+                                 "perplexity": float(np.exp(min(valid, 50.0))),
+                                 "recurrences": self.model_config.recurrences})
+                if self.info.is_main:
+                    progress.write(f"step {step}: train loss {loss:.4f}, valid loss {valid:.4f} "
+                                   f"(R={self.model_config.recurrences})")
+        seconds = time.perf_counter() - start
+        sample = None
+        if cfg.train.sample_tokens > 0:
+            sample = sample_text(self.engine.module, self.tokenizer, cfg.train.sample_prompt,
+                                 cfg.train.sample_tokens, seed=cfg.seed, device=self.info.device)
+        return TrainResult(loss, valid, cfg.train.iters, seconds, sample)
+
+    def close(self) -> None:
+        self.logger.close()
+        destroy_distributed()
+
+
+def run_training(cfg: RunConfig) -> TrainResult:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
