@@ -76,6 +76,22 @@ def _cpu_rng_tracker() -> None:
     logging.getLogger(mp_random.__name__).addFilter(_SilenceExpectedCpuRngWarning())
 
 
+def _cpu_rotary_embedding() -> None:
+    """`RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on first use.
+    Without CUDA it stays where the model is; the frequencies and layout are megatron's own."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    def get_emb(self, max_seq_len: int, offset: int = 0):
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+    RotaryEmbedding.get_emb = get_emb
+
+
 def _deepspeed_skip_shm_comm_build() -> None:
     """DeepSpeed's CPU accelerator JIT-compiles `deepspeed_shm_comm` whenever a communicator starts
     (~20-30 s per process). Collectives then go through torch.distributed/gloo, which is what we test."""
@@ -87,6 +103,7 @@ def _deepspeed_skip_shm_comm_build() -> None:
 SHIMS: dict[str, Callable[[], None]] = {
     "cpu_global_memory_buffer": _cpu_global_memory_buffer,
     "cpu_rng_tracker": _cpu_rng_tracker,
+    "cpu_rotary_embedding": _cpu_rotary_embedding,
     "deepspeed_skip_shm_comm_build": _deepspeed_skip_shm_comm_build,
 }
 

@@ -14,6 +14,7 @@ from grt_megatron.data.corpus import DataError, load_documents
 from grt_megatron.data.tokenizer import Tokenizer
 
 _STREAM = 0x6461  # separates data draws from the depth sampler's (seed, iteration) stream
+_NOISE_STREAM = 0x6e6f
 
 
 def tokens_from_documents(tokenizer: Tokenizer, documents: list[str]) -> np.ndarray:
@@ -56,9 +57,15 @@ def train_batch(tokens: np.ndarray, seq_length: int, seed: int, iteration: int, 
     return np.stack([tokens[s : s + seq_length + 1] for s in starts]).astype(np.int64)
 
 
-def eval_batches(tokens: np.ndarray, seq_length: int, batch_size: int, num_batches: int) -> list[np.ndarray]:
-    """Fixed, non-overlapping windows from the start of the validation stream (the same every eval)."""
-    windows = (len(tokens) - 1) // seq_length
-    count = min(windows, batch_size * num_batches)
-    rows = [tokens[i * seq_length : i * seq_length + seq_length + 1] for i in range(count)]
-    return [np.stack(rows[i : i + batch_size]).astype(np.int64) for i in range(0, count, batch_size)]
+def eval_windows(tokens: np.ndarray, seq_length: int, max_windows: int) -> np.ndarray:
+    """Fixed, non-overlapping windows [n, seq_length + 1] from the start of the validation stream:
+    the same set at every evaluation and in every parallel layout."""
+    count = min((len(tokens) - 1) // seq_length, max_windows)
+    return np.stack([tokens[i * seq_length : i * seq_length + seq_length + 1] for i in range(count)]).astype(np.int64)
+
+
+def sample_noise_seeds(seed: int, iteration: int, rows: range) -> list[int]:
+    """One seed per global batch row: the model's training noise for a sample depends on
+    (seed, iteration, row) only, not on the data-parallel rank or micro-batch that runs it."""
+    return [int(np.random.SeedSequence([seed, iteration, row, _NOISE_STREAM]).generate_state(1)[0])
+            for row in rows]

@@ -6,7 +6,7 @@ Tensors inside are megatron's [sequence, batch, hidden]; the public interface is
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from megatron.core import tensor_parallel
@@ -58,9 +58,11 @@ class GRTLanguageModel(MegatronModule):
         labels: Optional[torch.Tensor] = None,
         recurrences: Optional[int] = None,
         grad_recurrences: Optional[int] = None,
+        noise_seeds: Optional[Sequence[int]] = None,
     ) -> torch.Tensor:
         """tokens [b, s] → per-token loss [b, s] (fp32) when `labels` is given, else logits [b, s, V]
-        over the tokenizer's vocabulary (TP-gathered, padding cut)."""
+        over the tokenizer's vocabulary (TP-gathered, padding cut). `recurrences`/`grad_recurrences`
+        come from the depth sampler in training; `noise_seeds` key each sample's training noise."""
         b, s = tokens.shape
         if s > self.config.max_sequence_length:
             raise ValueError(f"sequence of {s} tokens exceeds model.max_sequence_length="
@@ -69,7 +71,8 @@ class GRTLanguageModel(MegatronModule):
         hidden = self.embedding(input_ids=tokens, position_ids=position_ids)
         rope = self.rotary_pos_emb(s) if self.rotary_pos_emb is not None else None
         mask = causal_attention_mask(s, tokens.device)
-        hidden = self.block(hidden, mask, rope, recurrences=recurrences, grad_recurrences=grad_recurrences)
+        hidden = self.block(hidden, mask, rope, recurrences=recurrences, grad_recurrences=grad_recurrences,
+                            noise_seeds=noise_seeds)
         hidden = self.final_norm(hidden)
         logits, _ = self.output_layer(hidden, weight=self._output_weight())
         if labels is not None:

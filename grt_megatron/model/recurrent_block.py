@@ -21,7 +21,9 @@ same parameter names and a checkpoint moves between the two unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +82,9 @@ class GatedRecurrentBlock(MegatronModule):
             )
             with torch.no_grad():
                 self.gate_fc2.bias.fill_(config.gate_bias_init)
+        self.step_stats: Optional[list[dict[str, float]]] = None
+        """Set to a list to record, per recurrence step, the mean gate and the relative state update
+        ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ (diagnostics: does the gate learn, does the state still move)."""
 
     # ---- the pieces (a pipeline stage runs a subset of them) -------------------------------------
     @property
@@ -95,76 +100,124 @@ class GatedRecurrentBlock(MegatronModule):
         return self.layers[self.num_prelude + self.num_core :]
 
     @staticmethod
-    def _run(layers, hidden, attention_mask, rotary_pos_emb):
+    def _run(layers, hidden, inputs: "StepInputs"):
         for layer in layers:
-            hidden, _ = layer(hidden, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            hidden, _ = layer(hidden, attention_mask=inputs.attention_mask, rotary_pos_emb=inputs.rotary_pos_emb)
         return hidden
 
-    def _noise(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+    def _noise(self, like: torch.Tensor, inputs: "StepInputs", step: int, kind: int) -> Optional[torch.Tensor]:
         if not (self.training and self.config.noise_sigma > 0):
             return None
-        shape = like.shape if self.config.noise_shape == "per_element" else (*like.shape[:-1], 1)
-        return torch.randn(shape, dtype=like.dtype, device=like.device) * self.config.noise_sigma
+        per_token = self.config.noise_shape == "per_token"
+        return draw_noise(like, self.config.noise_sigma, per_token, inputs.noise_seeds, step, kind)
 
-    def initial_state(self, h_pre: torch.Tensor) -> torch.Tensor:
+    def initial_state(self, h_pre: torch.Tensor, inputs: "StepInputs") -> torch.Tensor:
         if self.config.initial_state == "prelude":
             return h_pre
         std = self.config.initial_state_std
         if self.training:
-            return torch.randn_like(h_pre) * std
+            return draw_noise(h_pre, std, False, inputs.noise_seeds, step=0, kind=NOISE_INITIAL_STATE)
         # Evaluation and generation must be deterministic: a fixed draw, independent of global RNG.
         generator = torch.Generator(device=h_pre.device).manual_seed(0)
         return torch.randn(h_pre.shape, generator=generator, device=h_pre.device).to(h_pre.dtype) * std
 
-    def recurrence_step(self, h, h_pre, attention_mask, rotary_pos_emb, reinject: bool = True):
-        """One step r: h_{r-1} -> h_r. `reinject=False` skips additive injection on a step whose state
-        already is h_pre (step 1 with `initial_state="prelude"`), so add-injection at R=1 is dense."""
+    def recurrence_step(self, h, h_pre, inputs: "StepInputs", step: int):
+        """Step `step` (0-based): h_{r-1} -> h_r.
+
+        Additive injection skips step 0 when the state starts as h_pre (it already *is* the prelude
+        output; adding it again would double it), so `injection="add"` at R = 1 is exactly dense.
+        """
         cfg = self.config
-        eps_x = self._noise(h)
+        eps_x = self._noise(h, inputs, step, NOISE_STATE)
         h_in = h if eps_x is None else h + eps_x
         if cfg.injection == "concat_project":
             x, _ = self.injection(torch.cat([h_in, h_pre], dim=-1))
-        elif cfg.injection == "add" and reinject:
+        elif cfg.injection == "add" and not (step == 0 and cfg.initial_state == "prelude"):
             x = h_in + h_pre
         else:
             x = h_in
-        o = self._run(self.core, x, attention_mask, rotary_pos_emb)
+        o = self._run(self.core, x, inputs)
         if cfg.gate == "none":
-            return o
-        a, _ = self.gate_fc1(torch.cat([self.gate_norm_state(h), self.gate_norm_prelude(h_pre)], dim=-1))
-        a, _ = self.gate_fc2(F.silu(a))
-        a = a / cfg.gate_temperature
-        eps_g = self._noise(a)
-        g = torch.sigmoid(a if eps_g is None else a + eps_g)
-        return g * h + (1 - g) * o
+            g, h_new = None, o
+        else:
+            a, _ = self.gate_fc1(torch.cat([self.gate_norm_state(h), self.gate_norm_prelude(h_pre)], dim=-1))
+            a, _ = self.gate_fc2(F.silu(a))
+            a = a / cfg.gate_temperature
+            eps_g = self._noise(a, inputs, step, NOISE_GATE)
+            g = torch.sigmoid(a if eps_g is None else a + eps_g)
+            h_new = g * h + (1 - g) * o
+        if self.step_stats is not None:
+            self._record_stats(h, h_new, g)
+        return h_new
 
-    def run_core(self, h_pre, attention_mask, rotary_pos_emb, recurrences: int, grad_recurrences: int):
+    @torch.no_grad()
+    def _record_stats(self, h, h_new, g) -> None:
+        update = (h_new - h).float().norm() / h.float().norm().clamp_min(1e-12)
+        self.step_stats.append({"gate_mean": float("nan") if g is None else float(g.float().mean()),
+                                "relative_update": float(update)})
+
+    def run_core(self, h_pre, inputs: "StepInputs", recurrences: int, grad_recurrences: int):
         """R steps of the recurrence; the first `recurrences - grad_recurrences` run without gradient
         (truncated backprop of the heavy-tail sampler)."""
-        h = self.initial_state(h_pre)
+        h = self.initial_state(h_pre, inputs)
         no_grad_steps = recurrences - grad_recurrences
         checkpoint = self.config.checkpoint_recurrence and self.training and torch.is_grad_enabled()
         for r in range(recurrences):
-            reinject = not (r == 0 and self.config.initial_state == "prelude")
             if r < no_grad_steps:
                 with torch.no_grad():
-                    h = self.recurrence_step(h, h_pre, attention_mask, rotary_pos_emb, reinject)
+                    h = self.recurrence_step(h, h_pre, inputs, r)
             elif checkpoint:
-                # megatron's checkpoint restores CPU, CUDA and tracker RNG states, so the noise and
-                # dropout drawn in the recompute equal those of the first forward.
-                def step(h_, h_pre_, reinject=reinject):
-                    return self.recurrence_step(h_, h_pre_, attention_mask, rotary_pos_emb, reinject)
+                # megatron's checkpoint restores CPU, CUDA and tracker RNG states, so dropout in the
+                # recompute equals that of the first forward (keyed noise is reproducible anyway).
+                def step(h_, h_pre_, r=r):
+                    return self.recurrence_step(h_, h_pre_, inputs, r)
 
                 h = tensor_parallel.checkpoint(step, False, h, h_pre)
             else:
-                h = self.recurrence_step(h, h_pre, attention_mask, rotary_pos_emb, reinject)
+                h = self.recurrence_step(h, h_pre, inputs, r)
         return h
 
     def forward(self, hidden_states, attention_mask, rotary_pos_emb=None, recurrences=None,
-                grad_recurrences=None):
-        """[s, b, d] -> [s, b, d]. `recurrences` defaults to the configured R (evaluation)."""
+                grad_recurrences=None, noise_seeds=None):
+        """[s, b, d] -> [s, b, d]. `recurrences` defaults to the configured R (evaluation).
+        `noise_seeds` (one int per sample) makes training noise a function of the sample, not of
+        the rank or micro-batch that processes it; without them noise comes from the global RNG."""
         recurrences = self.config.recurrences if recurrences is None else recurrences
         grad_recurrences = recurrences if grad_recurrences is None else grad_recurrences
-        h_pre = self._run(self.prelude, hidden_states, attention_mask, rotary_pos_emb)
-        h = self.run_core(h_pre, attention_mask, rotary_pos_emb, recurrences, grad_recurrences)
-        return self._run(self.coda, h, attention_mask, rotary_pos_emb)
+        inputs = StepInputs(attention_mask, rotary_pos_emb, noise_seeds)
+        h_pre = self._run(self.prelude, hidden_states, inputs)
+        h = self.run_core(h_pre, inputs, recurrences, grad_recurrences)
+        return self._run(self.coda, h, inputs)
+
+
+@dataclass
+class StepInputs:
+    """What every layer execution of one forward pass shares."""
+
+    attention_mask: torch.Tensor
+    rotary_pos_emb: Optional[torch.Tensor] = None
+    noise_seeds: Optional[Sequence[int]] = None
+
+
+NOISE_STATE, NOISE_GATE, NOISE_INITIAL_STATE = 0, 1, 2
+
+
+def draw_noise(like: torch.Tensor, sigma: float, per_token: bool, seeds: Optional[Sequence[int]],
+               step: int, kind: int) -> torch.Tensor:
+    """N(0, sigma²) noise shaped like `like` ([s, b, d]; [s, b, 1] per token).
+
+    With `seeds`, sample i's noise at (step, kind) comes from its own generator, so a sample gets the
+    same noise in every parallel layout, in a checkpoint recompute and after a resume.
+    """
+    s, b, d = like.shape
+    width = 1 if per_token else d
+    if seeds is None:
+        return torch.randn((s, b, width), dtype=like.dtype, device=like.device) * sigma
+    if len(seeds) != b:
+        raise ValueError(f"{len(seeds)} noise seeds for a batch of {b}")
+    columns = []
+    for seed in seeds:
+        mixed = np.random.SeedSequence([int(seed), step, kind]).generate_state(1, np.uint64)[0]
+        generator = torch.Generator(device=like.device).manual_seed(int(mixed) & (2**63 - 1))
+        columns.append(torch.randn((s, width), generator=generator, device=like.device))
+    return (torch.stack(columns, dim=1) * sigma).to(like.dtype)

@@ -12,10 +12,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.utils import clip_grad_norm_
+from megatron.core import parallel_state
 from tqdm import tqdm
 
 from grt_megatron import __version__
-from grt_megatron.data import Tokenizer, eval_batches, load_documents, load_token_splits, train_batch
+from grt_megatron.data import (Tokenizer, eval_windows, load_documents, load_token_splits,
+                               sample_noise_seeds, train_batch)
 from grt_megatron.distributed import DistributedInfo, destroy_distributed, init_distributed
 from grt_megatron.generation import sample_text
 from grt_megatron.model import ConfigError, DepthSampler, GRTConfig, GRTLanguageModel, train_flops_per_token
@@ -68,7 +70,9 @@ class Trainer:
         self.clip_here = cfg.deepspeed.zero_stage == 0 and cfg.train.precision == "fp32"
         self.engine = build_engine(self.model, cfg, self.info.dp_size, clip_in_deepspeed=not self.clip_here)
         self.sampler = DepthSampler.from_config(self.model_config, cfg.seed)
-        self.eval_data = eval_batches(self.data.valid, self.seq_length, self.micro_batch, cfg.train.eval_iters)
+        # Megatron-LM's meaning of eval_iters: that many global batches (fewer if the split is short).
+        self.eval_data = eval_windows(self.data.valid, self.seq_length,
+                                      cfg.train.eval_iters * cfg.train.global_batch_size)
         self.logger = MetricsLogger(self.run_dir, self.info.is_main, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.run.name, cfg.to_dict())
         if self.info.is_main:
@@ -98,8 +102,6 @@ class Trainer:
     def _dp_mean(self, value: torch.Tensor) -> float:
         value = value.detach().float().clone()
         if self.info.dp_size > 1:
-            from megatron.core import parallel_state
-
             dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
             value /= self.info.dp_size
         return float(value.item())
@@ -111,12 +113,14 @@ class Trainer:
         lr = float(self.engine.get_lr()[0])  # the rate this step's update uses
         batch = train_batch(self.data.train, self.seq_length, cfg.seed, iteration, cfg.train.global_batch_size)
         per_rank = self.micro_batch * self.accumulation
-        rows = batch[self.info.dp_rank * per_rank : (self.info.dp_rank + 1) * per_rank]
+        first_row = self.info.dp_rank * per_rank
         total = torch.zeros((), dtype=torch.float32, device=self.info.device)
         grad_norm = None
-        for micro in rows.reshape(self.accumulation, self.micro_batch, -1):
-            tokens, labels = self._to_device(micro)
-            loss = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences).mean()
+        for m in range(self.accumulation):
+            start = first_row + m * self.micro_batch
+            tokens, labels = self._to_device(batch[start : start + self.micro_batch])
+            seeds = sample_noise_seeds(cfg.seed, iteration, range(start, start + self.micro_batch))
+            loss = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences, seeds).mean()
             self.engine.backward(loss)
             if self.clip_here and self.engine.is_gradient_accumulation_boundary():
                 grad_norm = float(clip_grad_norm_(list(self.engine.module.parameters()),
@@ -136,11 +140,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss at the configured R, noise off (eval mode), over fixed windows."""
+        """Mean validation loss per token at the configured R, noise off (eval mode), over the fixed
+        validation windows; data-parallel ranks share the windows and sum their losses."""
         self.engine.eval()
-        losses = [self.engine(*self._to_device(rows)).mean() for rows in self.eval_data]
+        mine = self.eval_data[self.info.dp_rank :: self.info.dp_size]
+        sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)  # loss sum, token count
+        for start in range(0, len(mine), self.micro_batch):
+            tokens, labels = self._to_device(mine[start : start + self.micro_batch])
+            loss = self.engine(tokens, labels)
+            sums += torch.stack([loss.double().sum(), torch.tensor(loss.numel(), dtype=torch.float64)])
         self.engine.train()
-        return self._dp_mean(torch.stack(losses).mean())
+        if self.info.dp_size > 1:
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        return float(sums[0] / sums[1])
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> TrainResult:

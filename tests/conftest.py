@@ -1,0 +1,54 @@
+"""Shared test helpers: one single-process megatron world per session, tiny configs, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grt_megatron.training.metrics import quiet_known_warnings
+
+quiet_known_warnings()
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("GRT_SHARED_DATA", REPO.parent / "shared" / "data"))
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+
+
+@pytest.fixture(scope="session")
+def world():
+    """A world of one (gloo), megatron parallel state and seeded RNG tracker."""
+    from grt_megatron.distributed import init_distributed
+
+    return init_distributed(seed=0)
+
+
+def tiny_config(**overrides):
+    from grt_megatron.model import GRTConfig
+
+    recipe = dict(hidden_size=64, num_attention_heads=4, vocab_size=300, max_sequence_length=32,
+                  prelude_layers=1, core_layers=1, coda_layers=1, recurrences=3, add_bias_linear=False,
+                  hidden_dropout=0.0, attention_dropout=0.0)
+    recipe.update(overrides)
+    return GRTConfig.from_recipe(recipe)
+
+
+def run_cli(args: list[str], env: dict | None = None, launcher: list[str] | None = None,
+            timeout: int = 600) -> subprocess.CompletedProcess:
+    """`grt-train ARGS` in a fresh process (optionally under torchrun), as a user would run it."""
+    if launcher is None:
+        cmd = [sys.executable, "-m", "grt_megatron.training.cli", *args]
+    else:
+        cmd = [*launcher, str(REPO / "grt_megatron" / "training" / "cli.py"), *args]
+    full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(var, None)
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,63 @@
+"""One test per CPU shim: each one is needed (the unpatched call needs CUDA) and does its job."""
+
+import torch
+
+from grt_megatron.cpu_shims import SHIMS, apply_cpu_shims
+
+
+def test_all_shims_applied_once_without_cuda():
+    assert not torch.cuda.is_available()
+    applied = apply_cpu_shims()
+    assert applied == list(SHIMS)
+    assert apply_cpu_shims() == applied  # idempotent
+
+
+def test_global_memory_buffer_allocates_on_cpu_and_reuses(world):
+    from megatron.core import parallel_state
+
+    buf = parallel_state.get_global_memory_buffer()
+    a = buf.get_tensor((4, 8), torch.float32, "shim-test")
+    b = buf.get_tensor((2, 8), torch.float32, "shim-test")
+    assert a.device.type == "cpu" and a.shape == (4, 8) and b.shape == (2, 8)
+    assert a.data_ptr() == b.data_ptr()  # one flat buffer per (name, dtype), reused
+    c = buf.get_tensor((8, 8), torch.float32, "shim-test")  # grows when too small
+    assert c.numel() == 64
+
+
+def test_rng_tracker_forks_cpu_generator_reproducibly(world):
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(123, force_reset_rng=True)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    outside_before = torch.get_rng_state()
+    with tracker.fork():
+        first = torch.rand(5)
+    # The default (data-parallel) generator is untouched by the fork.
+    assert torch.equal(outside_before, torch.get_rng_state())
+    tensor_parallel.model_parallel_cuda_manual_seed(123, force_reset_rng=True)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        again = torch.rand(5)
+    assert torch.equal(first, again)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        advanced = torch.rand(5)
+    assert not torch.equal(first, advanced)  # the tracked state advances like a generator
+
+
+def test_deepspeed_does_not_build_shm_comm_op():
+    import importlib
+
+    apply_cpu_shims()
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    assert ds_comm_torch.build_shm_op() is None
+    assert not hasattr(torch, "build_shm_op")  # the patch hit DeepSpeed's module, not torch
+
+
+def test_rotary_embedding_stays_on_cpu(world):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)
+    emb = rope(8)
+    assert emb.device.type == "cpu" and emb.shape == (8, 1, 1, 16)
+    # Megatron's layout: the first half and the second half repeat the same frequencies.
+    freqs = torch.outer(torch.arange(8, dtype=torch.float32), rope.inv_freq)
+    assert torch.allclose(emb[:, 0, 0, :8], freqs) and torch.allclose(emb[:, 0, 0, 8:], freqs)

@@ -1,0 +1,245 @@
+"""The GRT model: parameter counts, gate init, noise, dense equivalence, truncated backprop, checkpointing."""
+
+import dataclasses
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO, tiny_config
+from grt_megatron.model.recurrent_block import StepInputs
+from grt_megatron.model import (ConfigError, GRTConfig, GRTLanguageModel, count_parameters,
+                                forward_flops_per_token, train_flops_per_token, DepthDraw)
+
+RECIPES = sorted(p.stem for p in (REPO / "recipes" / "model").glob("*.yaml"))
+
+
+def recipe(name: str, vocab_size: int = 50257) -> GRTConfig:
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={name}"])
+    model = OmegaConf.to_container(cfg.model)
+    model["vocab_size"] = vocab_size
+    return GRTConfig.from_recipe(model)
+
+
+def build(cfg: GRTConfig, seed: int = 0) -> GRTLanguageModel:
+    torch.manual_seed(seed)
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return GRTLanguageModel(cfg)
+
+
+def tokens(batch=2, seq=16, vocab=300, seed=0):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_parameter_count_equals_closed_form(world, name):
+    cfg = recipe(name)
+    with torch.device("meta"):  # the real modules, no memory: large recipes are 774 M parameters
+        model = GRTLanguageModel(cfg)
+    built = sum(p.numel() for p in model.parameters())
+    assert built == count_parameters(cfg)["total"]
+
+
+def test_paper_parameter_counts():
+    # PAPER_NOTES: large isoFLOPs GRT ≈ 290 M vs dense ≈ 774 M ("63% fewer parameters").
+    grt, dense = count_parameters(recipe("large_grt_isoflops"))["total"], count_parameters(recipe("large_dense"))["total"]
+    assert round(grt / 1e6) == 290 and round(dense / 1e6) == 774
+    assert round(100 * (1 - grt / dense)) in (62, 63)
+    assert round(count_parameters(recipe("small_dense"))["total"] / 1e6) == 124  # GPT-2 small
+
+
+def test_recipe_shapes():
+    assert recipe("small_grt_isoflops").shape_name == "1+1x10+1"
+    assert recipe("medium_grt_isoflops").shape_name == "2+5x4+2"
+    assert recipe("large_grt_isoparams").shape_name == "3+30x6+3"
+    for scale in ("small", "medium", "large"):  # isoFLOPs: same layer executions as dense
+        assert recipe(f"{scale}_grt_isoflops").depth() == recipe(f"{scale}_dense").depth()
+    assert recipe("small_dense").is_dense and not recipe("small_grt_isoflops").is_dense
+
+
+def test_flops_match_paper_formula():
+    cfg = recipe("small_grt_isoflops")
+    d, s, r = cfg.hidden_size, 1024, 7
+    parts = forward_flops_per_token(cfg, s, r)
+    assert parts["layers"] + parts["recurrence"] == (1 + r + 1) * (24 * d * d + 4 * s * d) + 10 * r * d * d
+    assert parts["output_layer"] == 2 * d * 50304
+    dense = forward_flops_per_token(recipe("small_dense"), s)
+    assert dense["recurrence"] == 0 and dense["layers"] == 12 * (24 * d * d + 4 * s * d)
+    # Training: 3x forward, no-grad (truncated) steps forward only.
+    full = train_flops_per_token(cfg, s, DepthDraw(5, 5))
+    truncated = train_flops_per_token(cfg, s, DepthDraw(5, 2))
+    assert full == 3 * forward_flops_per_token(cfg, s, 5)["total"]
+    assert full - truncated == 2 * 3 * (24 * d * d + 4 * s * d + 10 * d * d)
+
+
+def test_gate_is_about_0_98_at_init(world):
+    model = build(tiny_config(recurrences=4)).eval()
+    model.block.step_stats = []
+    model(tokens())
+    gates = [s["gate_mean"] for s in model.block.step_stats]
+    assert len(gates) == 4
+    for g in gates:
+        assert g == pytest.approx(torch.sigmoid(torch.tensor(4.0)).item(), abs=0.01)  # 0.982
+
+
+def test_noise_only_in_training(world):
+    model = build(tiny_config(noise_sigma=0.1))
+    x = tokens()
+    model.eval()
+    assert torch.equal(model(x), model(x))  # evaluation is deterministic
+    model.train()
+    a, b = model(x, x), model(x, x)
+    assert not torch.equal(a, b)  # fresh noise at every step
+    quiet = build(tiny_config(noise_sigma=0.0)).train()
+    assert torch.equal(quiet(x, x), quiet(x, x))  # with σ = 0 nothing else is random (no dropout)
+
+
+@pytest.mark.parametrize("shape", ["per_token", "per_element"])
+def test_noise_shapes(world, shape):
+    model = build(tiny_config(noise_shape=shape)).train()
+    h = torch.zeros(16, 2, 64)
+    for seeds in (None, [11, 12]):
+        eps = model.block._noise(h, StepInputs(None, None, seeds), step=0, kind=0)
+        assert eps.shape == ((16, 2, 1) if shape == "per_token" else (16, 2, 64))
+        assert 0.03 < eps.std().item() < 0.3
+
+
+def test_keyed_noise_follows_the_sample_not_the_batch(world):
+    """A sample's training loss is the same alone or batched with others, given its noise seed:
+    what makes data-parallel layouts and micro-batch sizes agree while noise is on."""
+    model = build(tiny_config(noise_sigma=0.5, recurrences=3)).train()
+    x = tokens(batch=3)
+    together = model(x, x, noise_seeds=[101, 202, 303])
+    alone = torch.cat([model(x[i : i + 1], x[i : i + 1], noise_seeds=[s]) for i, s in enumerate([101, 202, 303])])
+    assert torch.allclose(together, alone, atol=1e-5)
+    assert not torch.allclose(together, model(x, x, noise_seeds=[101, 202, 304]), atol=1e-5)
+    # The steps and the two noise kinds draw different values.
+    h = torch.zeros(4, 1, 8)
+    draws = [model.block._noise(h, StepInputs(None, None, [7]), step, kind) for step in (0, 1) for kind in (0, 1)]
+    assert len({d.sum().item() for d in draws}) == 4
+
+
+@pytest.mark.parametrize("injection", ["add", "none"])
+def test_no_gate_single_step_equals_dense(world, injection):
+    grt_cfg = tiny_config(gate="none", injection=injection, recurrences=1, noise_sigma=0.0)
+    dense_cfg = tiny_config(prelude_layers=0, core_layers=3, coda_layers=0, recurrences=1, gate="none",
+                            injection="none", noise_sigma=0.0)
+    grt, dense = build(grt_cfg, seed=1), build(dense_cfg, seed=2)
+    # Same parameter names and shapes: a dense checkpoint loads into the GRT and back.
+    assert grt.state_dict().keys() == dense.state_dict().keys()
+    dense.load_state_dict(grt.state_dict())
+    x = tokens()
+    assert torch.equal(grt.eval()(x), dense.eval()(x))
+    assert torch.equal(grt.train()(x, x), dense.train()(x, x))
+
+
+def test_gate_blends_state_and_core_output(world):
+    """With the gate forced shut (g→1) the state is carried unchanged; forced open (g→0) it is o_r."""
+    model = build(tiny_config(recurrences=2, noise_sigma=0.0)).eval()
+    block = model.block
+    h_pre = torch.randn(16, 2, 64)
+    inputs = StepInputs(torch.triu(torch.ones(16, 16, dtype=torch.bool), 1)[None, None])
+    with torch.no_grad():
+        block.gate_fc2.bias.fill_(60.0)
+        assert torch.allclose(block.recurrence_step(h_pre, h_pre, inputs, 0), h_pre)
+        block.gate_fc2.bias.fill_(-60.0)
+        x, _ = block.injection(torch.cat([h_pre, h_pre], dim=-1))
+        o = block._run(block.core, x, inputs)
+        assert torch.allclose(block.recurrence_step(h_pre, h_pre, inputs, 0), o)
+
+
+def test_heavy_tail_steps_beyond_k_carry_no_gradient(world):
+    model = build(tiny_config(recurrences=3, depth_sampler="heavy_tail", heavy_tail_k=2, noise_sigma=0.0))
+    core_layer = model.block.core[0]
+    grad_modes = []
+    core_layer.register_forward_pre_hook(lambda mod, args: grad_modes.append(torch.is_grad_enabled()))
+    x = tokens()
+    loss = model(x, x, recurrences=5, grad_recurrences=2).mean()
+    assert grad_modes == [False, False, False, True, True]
+    loss.backward()
+    # The same gradient as an explicit truncation: run 3 steps, detach, run 2 with gradient.
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    block = model.block
+    original = block.run_core
+
+    def explicit(h_pre, inputs, recurrences, grad_recurrences):
+        h = h_pre
+        for r in range(recurrences):
+            h = block.recurrence_step(h if r >= 3 else h.detach(), h_pre, inputs, r)
+            if r == 2:
+                h = h.detach()
+        return h
+
+    block.run_core = explicit
+    model(x, x, recurrences=5).mean().backward()
+    block.run_core = original
+    for n, p in model.named_parameters():
+        assert torch.allclose(grads[n], p.grad, atol=1e-6), n
+
+
+def test_recurrence_checkpointing_gives_identical_loss_and_grads(world):
+    x = tokens()
+    results = []
+    for checkpoint in (False, True):
+        cfg = tiny_config(recurrences=3, checkpoint_recurrence=checkpoint, noise_sigma=0.1,
+                          hidden_dropout=0.1, attention_dropout=0.1)
+        model = build(cfg, seed=3).train()
+        torch.manual_seed(7)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(7, force_reset_rng=True)
+        loss = model(x, x).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1)
+    for name in g0:
+        assert torch.allclose(g0[name], g1[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_random_initial_state_is_deterministic_in_eval(world):
+    model = build(tiny_config(initial_state="random")).eval()
+    x = tokens()
+    assert torch.equal(model(x), model(x))
+
+
+def test_rope_model_runs(world):
+    model = build(tiny_config(position_embedding="rope"))
+    assert not any("position_embeddings" in n for n, _ in model.named_parameters())
+    loss = model(tokens(), tokens()).mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_logits_cut_vocab_padding(world):
+    model = build(tiny_config(vocab_size=300)).eval()
+    assert model.config.padded_vocab_size == 384
+    assert model(tokens()).shape == (2, 16, 300)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("gate", "lstm", "model.gate='lstm'"),
+    ("injection", "mul", "model.injection='mul'"),
+    ("depth_sampler", "poisson", "model.depth_sampler='poisson'"),
+    ("recurrences", 0, "model.recurrences must be >= 1"),
+    ("noise_shape", "per_batch", "model.noise_shape='per_batch'"),
+])
+def test_bad_model_fields_are_named(field, value, needle):
+    with pytest.raises(ConfigError, match=needle.replace("+", r"\+")):
+        tiny_config(**{field: value})
+
+
+def test_unknown_model_field_is_named():
+    with pytest.raises(ConfigError, match="unknown model field.*num_layer"):
+        tiny_config(num_layer=3)
+
+
+def test_dense_equivalent_drops_recurrence():
+    dense = tiny_config(recurrences=4).dense_equivalent()
+    assert dense.is_dense and dense.num_layers == 3 and dense.depth() == 3
+    assert dataclasses.is_dataclass(dense)
