@@ -1,0 +1,122 @@
+"""`grt-train` end to end, as users run it: a plain python process, torchrun, and bad input."""
+
+import json
+import math
+import sys
+
+import pytest
+
+from conftest import SHAKESPEARE, read_jsonl, run_cli
+
+QUIET = ["logging.wandb=disabled", "logging.progress=false"]
+STEP_KEYS = {"step", "loss", "grad_norm", "lr", "recurrences", "grad_recurrences", "tokens", "tokens_per_s",
+             "flops_per_s", "step_seconds"}
+
+
+@pytest.fixture(scope="module")
+def shakespeare_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    proc = run_cli(["model=tiny", f"data={SHAKESPEARE}", "train.iters=80", "train.eval_interval=40",
+                    f"run.dir={run_dir}", "seed=3", "train.sample_tokens=20", *QUIET])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc
+
+
+def test_loss_falls_on_real_text(shakespeare_run):
+    run_dir, _ = shakespeare_run
+    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "split" not in r]
+    valid = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("split") == "valid"]
+    first = sum(r["loss"] for r in steps[:5]) / 5
+    last = sum(r["loss"] for r in steps[-5:]) / 5
+    assert first == pytest.approx(math.log(2048), abs=0.2)  # uniform over the vocabulary at init
+    assert last < first - 1.5, (first, last)
+    assert valid[-1]["loss"] < valid[0]["loss"] < first
+
+
+def test_metrics_jsonl_is_complete(shakespeare_run):
+    run_dir, proc = shakespeare_run
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "split" not in r]
+    assert [r["step"] for r in steps] == list(range(1, 81))
+    for r in steps:
+        assert STEP_KEYS <= r.keys()
+        assert isinstance(r["loss"], float) and math.isfinite(r["loss"]) and r["grad_norm"] > 0
+        assert 1 <= r["recurrences"] <= 4 and r["tokens"] == r["step"] * 16 * 128
+        assert r["tokens_per_s"] > 0 and r["flops_per_s"] > 0
+    assert len({r["recurrences"] for r in steps}) == 4  # uniform sampler covers 1..R
+    assert steps[0]["lr"] < steps[29]["lr"]  # warmup
+    valid = [r for r in records if r.get("split") == "valid"]
+    assert [r["step"] for r in valid] == [40, 80] and all(r["recurrences"] == 4 for r in valid)
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["model_shape"] == "1+1x4+1" and info["parameters"] > 0
+    assert len(info["tokenizer_sha256"]) == 64
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "tokenizer.model").is_file()
+    assert "sample:" in proc.stdout and "valid loss" in proc.stdout
+
+
+def test_torchrun_data_parallel_matches_one_process(tmp_path):
+    """DP 2 (micro 4) under torchrun and one plain process (micro 8) see the same samples with the same
+    noise: per-step losses agree to float rounding and evaluation is identical."""
+    common = ["model=tiny", "train.iters=6", "train.eval_interval=6", "train.global_batch_size=16", *QUIET]
+    one = run_cli([*common, "train.micro_batch_size=8", f"run.dir={tmp_path / 'one'}"])
+    two = run_cli([*common, "train.micro_batch_size=4", f"run.dir={tmp_path / 'two'}"],
+                  launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                            "--master_port=29561"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert len(a) == len(b) == 7
+    for x, y in zip(a, b):
+        assert x["step"] == y["step"] and x.get("recurrences") == y.get("recurrences")
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-6)
+        if "grad_norm" in x:
+            assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)
+
+
+def test_bf16_and_dense_recipe_run(tmp_path):
+    proc = run_cli(["model=tiny_dense", "train.iters=4", "train.precision=bf16", f"run.dir={tmp_path}", *QUIET])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "split" not in r]
+    assert len(steps) == 4 and all(r["recurrences"] == 1 and r["grad_norm"] > 0 for r in steps)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train.precision=fp16"], "train.precision='fp16' is not one of fp32, bf16"),
+    (["+train.iterz=3"], "config key train.iterz"),
+    (["data=/no/such/file.txt"], "data.source='/no/such/file.txt': no such file"),
+    (["model.gate=lstm"], "model.gate='lstm' is not one of mlp, none"),
+    (["train.global_batch_size=12", "train.micro_batch_size=8"], "train.global_batch_size=12 is not a multiple"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, args, needle):
+    proc = run_cli(["model=tiny", "train.iters=2", f"run.dir={tmp_path / 'run'}", *QUIET, *args])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("grt-train: error:")]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_existing_run_dir_is_refused(shakespeare_run):
+    run_dir, _ = shakespeare_run
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    proc = run_cli(["model=tiny", "train.iters=2", f"run.dir={run_dir}", *QUIET])
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.fixture(scope="module")
+def zero0_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("zero") / "zero0"
+    proc = run_cli(["model=tiny", "train.iters=3", f"run.dir={run_dir}", *QUIET])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_match_stage_0_in_one_process(tmp_path, zero0_run, stage):
+    proc = run_cli(["model=tiny", "train.iters=3", f"deepspeed.zero_stage={stage}", f"run.dir={tmp_path}", *QUIET])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for x, y in zip(zero0_run, read_jsonl(tmp_path / "metrics.jsonl")):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
+        if "grad_norm" in x:
+            assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)
