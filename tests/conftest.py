@@ -17,6 +17,9 @@ quiet_known_warnings()
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("GRT_SHARED_DATA", REPO.parent / "shared" / "data"))
 SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+if not SHAKESPEARE.is_file():
+    raise pytest.UsageError(f"test corpus {SHAKESPEARE} not found: the tests read the project's shared data "
+                            "beside the checkout (../shared/data); set GRT_SHARED_DATA to its folder")
 
 
 @pytest.fixture(scope="session")
