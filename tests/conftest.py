@@ -47,8 +47,8 @@ def run_cli(args: list[str], env: dict | None = None, launcher: list[str] | None
         cmd = [sys.executable, "-m", "grt_megatron.training.cli", *args]
     else:
         cmd = [*launcher, str(REPO / "grt_megatron" / "training" / "cli.py"), *args]
-    full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    full_env = {**os.environ, **(env or {})}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_API_KEY", "WANDB_MODE"):
         full_env.pop(var, None)
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 

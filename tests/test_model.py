@@ -1,7 +1,5 @@
 """The GRT model: parameter counts, gate init, noise, dense equivalence, truncated backprop, checkpointing."""
 
-import dataclasses
-
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -237,9 +235,3 @@ def test_bad_model_fields_are_named(field, value, needle):
 def test_unknown_model_field_is_named():
     with pytest.raises(ConfigError, match="unknown model field.*num_layer"):
         tiny_config(num_layer=3)
-
-
-def test_dense_equivalent_drops_recurrence():
-    dense = tiny_config(recurrences=4).dense_equivalent()
-    assert dense.is_dense and dense.num_layers == 3 and dense.depth() == 3
-    assert dataclasses.is_dataclass(dense)

@@ -6,7 +6,6 @@ Dense GPT is `gate="none", injection="none", recurrences=1` (see `GRTConfig.dens
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -172,11 +171,6 @@ class GRTConfig(TransformerConfig):
             if fn is self.activation_func:
                 return name
         raise ConfigError(f"activation {self.activation_func} has no recipe name")
-
-    def dense_equivalent(self) -> "GRTConfig":
-        """The dense model with the same unique layers run once (R=1, no gate, no injection)."""
-        return dataclasses.replace(self, recurrences=1, gate="none", injection="none", noise_sigma=0.0,
-                                   depth_sampler="fixed")
 
 
 # Fields a recipe may set. Everything else in TransformerConfig keeps megatron-core's default.

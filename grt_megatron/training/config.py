@@ -34,8 +34,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: str = "bf16"
     optimizer: str = "torch"
-    """`torch`: torch.optim.AdamW built by us; `deepspeed`: DeepSpeed's AdamW from its config
-    (fused/cpu Adam; JIT-compiles on first use)."""
+    """`torch`: torch.optim.AdamW built by us; `deepspeed`: the AdamW of DeepSpeed's config."""
+    torch_adam: bool = False
+    """With optimizer=deepspeed: DeepSpeed builds torch's AdamW instead of its fused/CPU Adam
+    (which JIT-compiles for about a minute on first use)."""
     log_interval: int = 1
     eval_interval: int = 1000
     eval_iters: int = 10

@@ -86,7 +86,7 @@ def deepspeed_config(cfg: RunConfig, dp_size: int, clip_in_deepspeed: bool = Tru
         ds["optimizer"] = {
             "type": "AdamW",
             "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.adam_eps,
-                       "weight_decay": t.weight_decay},
+                       "weight_decay": t.weight_decay, "torch_adam": t.torch_adam},
         }
     return ds
 
