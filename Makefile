@@ -16,12 +16,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet --disable-pip-version-check -e ".[dev]"
 	touch $@
 
-# Trains the tiny GRT for 300 steps on CPU (the Python reference shipped with CPython, or DATA=path
-# or a Hugging Face dataset name), evaluates it and prints a sample.
+# Prepares a corpus (the Python reference shipped with CPython, or DATA=file or Hugging Face dataset
+# name) into a Megatron indexed dataset with a trained tokenizer, trains the tiny GRT on it for 300
+# steps on CPU, evaluates it and prints a sample.
 demo: install
 	rm -rf runs/demo
-	$(VENV)/bin/grt-train model=tiny train=cpu run.dir=runs/demo train.sample_tokens=160 \
-		$(if $(DATA),data=$(DATA))
+	$(VENV)/bin/grt-prepare-data --input $(or $(DATA),builtin:pydoc_topics) --output-prefix runs/demo/data/corpus \
+		--train-tokenizer --vocab-size 2048
+	$(VENV)/bin/grt-train model=tiny train=cpu data=runs/demo/data/corpus run.dir=runs/demo train.sample_tokens=160
 
 test: install
 	$(VENV)/bin/python -m pytest tests

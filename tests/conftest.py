@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grt_megatron.training.metrics import quiet_known_warnings
+from grt_megatron.console import quiet_known_warnings
 
 quiet_known_warnings()
 
@@ -55,3 +55,20 @@ def run_cli(args: list[str], env: dict | None = None, launcher: list[str] | None
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def run_prepare(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """`grt-prepare-data ARGS` in a fresh process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    return subprocess.run([sys.executable, "-m", "grt_megatron.data.prepare", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def pydoc_prefix(tmp_path_factory):
+    """builtin corpus prepared with a trained 2048-piece tokenizer: (prefix, summary)."""
+    from grt_megatron.data.prepare import prepare_dataset
+
+    prefix = tmp_path_factory.mktemp("prepared") / "pydoc"
+    summary = prepare_dataset(["builtin:pydoc_topics"], prefix, train_vocab_size=2048, progress=False)
+    return prefix, summary

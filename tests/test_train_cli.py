@@ -16,7 +16,7 @@ STEP_KEYS = {"step", "loss", "grad_norm", "lr", "recurrences", "grad_recurrences
 @pytest.fixture(scope="module")
 def shakespeare_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "tiny"
-    proc = run_cli(["model=tiny", f"data={SHAKESPEARE}", "train.iters=80", "train.eval_interval=40",
+    proc = run_cli(["model=tiny", f"data={SHAKESPEARE}", "data.vocab_size=2048", "train.iters=80", "train.eval_interval=40",
                     f"run.dir={run_dir}", "seed=3", "train.sample_tokens=20", *QUIET])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
@@ -49,15 +49,18 @@ def test_metrics_jsonl_is_complete(shakespeare_run):
     assert [r["step"] for r in valid] == [40, 80] and all(r["recurrences"] == 4 for r in valid)
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["model_shape"] == "1+1x4+1" and info["parameters"] > 0
-    assert len(info["tokenizer_sha256"]) == 64
+    assert len(info["tokenizer"]["sha256"]) == 64 and info["tokenizer"]["vocab_size"] == 2048
+    assert info["data_prefixes"] == [str(run_dir / "data" / "corpus")]
+    assert (run_dir / "data" / "corpus.idx").is_file()  # the raw corpus went through grt-prepare-data's path
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "tokenizer.model").is_file()
     assert "sample:" in proc.stdout and "valid loss" in proc.stdout
 
 
-def test_torchrun_data_parallel_matches_one_process(tmp_path):
+def test_torchrun_data_parallel_matches_one_process(tmp_path, pydoc_prefix):
     """DP 2 (micro 4) under torchrun and one plain process (micro 8) see the same samples with the same
     noise: per-step losses agree to float rounding and evaluation is identical."""
-    common = ["model=tiny", "train.iters=6", "train.eval_interval=6", "train.global_batch_size=16", *QUIET]
+    common = ["model=tiny", f"data={pydoc_prefix[0]}", "train.iters=6", "train.eval_interval=6",
+              "train.global_batch_size=16", *QUIET]
     one = run_cli([*common, "train.micro_batch_size=8", f"run.dir={tmp_path / 'one'}"])
     two = run_cli([*common, "train.micro_batch_size=4", f"run.dir={tmp_path / 'two'}"],
                   launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -88,7 +91,9 @@ def test_bf16_dense_deepspeed_optimizer_and_offline_wandb(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["train.precision=fp16"], "train.precision='fp16' is not one of fp32, bf16"),
     (["+train.iterz=3"], "config key train.iterz"),
-    (["data=/no/such/file.txt"], "data.source='/no/such/file.txt': no such file"),
+    (["data=/no/such/file.txt"], "input '/no/such/file.txt': no such file"),
+    (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's vocabulary (2048)"),
+    (["data=indexed", "data.prefixes=[/no/such/prefix]"], "/no/such/prefix.idx not found"),
     (["model.gate=lstm"], "model.gate='lstm' is not one of mlp, none"),
     (["train.global_batch_size=12", "train.micro_batch_size=8"], "train.global_batch_size=12 is not a multiple"),
 ])
@@ -99,6 +104,17 @@ def test_bad_input_is_one_clear_line(tmp_path, args, needle):
     assert len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_truncated_prefix_is_refused(tmp_path, pydoc_prefix):
+    import shutil
+
+    for suffix in (".bin", ".idx", ".meta.json", ".tokenizer.model"):
+        shutil.copy(str(pydoc_prefix[0]) + suffix, str(tmp_path / "cut") + suffix)
+    with open(tmp_path / "cut.bin", "r+b") as f:
+        f.truncate(4096)
+    proc = run_cli(["model=tiny", f"data={tmp_path / 'cut'}", "train.iters=2", f"run.dir={tmp_path / 'run'}", *QUIET])
+    assert proc.returncode == 2 and "cut.bin has 4096 bytes but" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_existing_run_dir_is_refused(shakespeare_run):

@@ -1,9 +1,10 @@
-"""Text → tokenizer → token streams → deterministic batches."""
+"""Text → tokenizer → Megatron indexed datasets → blended GPT datasets.
 
-from grt_megatron.data.batches import (TokenSplits, eval_windows, load_token_splits, sample_noise_seeds,
-                                       train_batch)
-from grt_megatron.data.corpus import DataError, load_documents
-from grt_megatron.data.tokenizer import Tokenizer
+Kept import-light (no torch/megatron at import) so tokenizer worker processes start fast.
+"""
 
-__all__ = ["DataError", "Tokenizer", "TokenSplits", "eval_windows", "load_documents", "load_token_splits",
-           "sample_noise_seeds", "train_batch"]
+from grt_megatron.data.sources import DataError, SourcePolicy, iter_documents, load_documents
+from grt_megatron.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
+
+__all__ = ["DataError", "HFTokenizer", "SentencePieceTokenizer", "SourcePolicy", "Tokenizer", "iter_documents",
+           "load_documents", "load_tokenizer"]

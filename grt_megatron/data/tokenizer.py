@@ -1,6 +1,8 @@
-"""One tokenizer interface for data preparation, training and sampling: sentencepiece (BPE, byte fallback).
+"""One tokenizer interface for data preparation, training, sampling and export.
 
-Newlines are a piece of their own and whitespace is kept as is, so decoded samples keep their layout.
+Two kinds behind it: a sentencepiece model (trained here on a sample of the corpus — BPE or unigram, byte
+fallback, newlines and whitespace kept — or loaded from a `.model` file) and a Hugging Face tokenizer
+(a local folder, or a hub name where the network allows). `load_tokenizer(spec)` picks by what `spec` is.
 """
 
 from __future__ import annotations
@@ -8,43 +10,107 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+from abc import ABC, abstractmethod
+from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
-import sentencepiece as spm
+from grt_megatron.data.sources import DataError, EmptyCorpusError
 
-from grt_megatron.data.corpus import DataError
+TRAIN_SAMPLE_BYTES = 200_000_000
+"""The tokenizer is trained on at most this much text from the start of the corpus."""
 
 
-class Tokenizer:
+class Tokenizer(ABC):
+    source: str
+    file_name: str
+    """What `save` writes by default (a run dir keeps its tokenizer under this name)."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def eos_id(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def identity(self) -> str:
+        """A sha256 that changes whenever the token ↔ id mapping could: checkpoints and datasets
+        record it so that a different tokenizer is refused instead of silently mis-reading ids."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    @abstractmethod
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the tokenizer so that `load_tokenizer(returned path)` gives it back."""
+
+    def describe(self) -> dict:
+        return {"kind": type(self).__name__, "source": self.source, "vocab_size": self.vocab_size,
+                "eos_id": self.eos_id, "sha256": self.identity}
+
+
+class SentencePieceTokenizer(Tokenizer):
+    file_name = "tokenizer.model"
+
     def __init__(self, model_proto: bytes, source: str = "<memory>"):
+        import sentencepiece as spm
+
         self.model_proto = model_proto
         self.source = source
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
 
+    def __getstate__(self) -> dict:  # picklable for tokenizer worker processes
+        return {"model_proto": self.model_proto, "source": self.source}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_proto"], state["source"])
+
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+    def load(cls, path: str | os.PathLike) -> "SentencePieceTokenizer":
         path = Path(path)
-        if not path.is_file():
-            raise DataError(f"data.tokenizer={str(path)!r}: no such file")
-        proto = path.read_bytes()
         try:
-            return cls(proto, str(path))
-        except RuntimeError:
+            return cls(path.read_bytes(), str(path))
+        except (RuntimeError, OSError):
             raise DataError(f"{path}: not a sentencepiece model") from None
 
     @classmethod
-    def train(cls, documents: Iterable[str], vocab_size: int) -> "Tokenizer":
+    def train(cls, documents: Iterable[str], vocab_size: int, model_type: str = "bpe",
+              max_bytes: int = TRAIN_SAMPLE_BYTES) -> "SentencePieceTokenizer":
+        import sentencepiece as spm
+
+        if model_type not in ("bpe", "unigram"):
+            raise DataError(f"tokenizer model type {model_type!r} is not one of bpe, unigram")
+
+        # sentencepiece swallows exceptions raised inside its sentence iterator (a bad input file would
+        # surface as "no sentences"), so the iterator keeps the first one and it is raised here.
+        failure: list[BaseException] = []
+        seen = [0]
+
         def paragraphs():
-            for doc in documents:
-                for para in doc.split("\n\n"):
-                    if para.strip():
-                        yield para
+            try:
+                for doc in documents:
+                    for para in doc.split("\n\n"):
+                        if para.strip():
+                            seen[0] += len(para)
+                            yield para
+                    if seen[0] >= max_bytes:
+                        return
+            except Exception as err:
+                failure.append(err)
 
         buf = io.BytesIO()
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=paragraphs(), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+                sentence_iterator=paragraphs(), model_writer=buf, vocab_size=vocab_size, model_type=model_type,
                 byte_fallback=True, character_coverage=0.9995, user_defined_symbols=["\n"],
                 normalization_rule_name="identity", remove_extra_whitespaces=False,
                 allow_whitespace_only_pieces=True, split_digits=True, max_sentence_length=1 << 16,
@@ -52,14 +118,21 @@ class Tokenizer:
                 unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2,
             )
         except RuntimeError as err:
-            raise DataError(f"data.vocab_size={vocab_size}: sentencepiece could not train: {err}") from None
-        return cls(buf.getvalue(), "trained")
+            if failure:
+                raise failure[0] from None
+            if seen[0] == 0:
+                raise EmptyCorpusError("no text to train a tokenizer on: the corpus is empty") from None
+            raise DataError(f"vocab size {vocab_size}: sentencepiece could not train: {err}") from None
+        if failure:
+            raise failure[0]
+        return cls(buf.getvalue(), f"trained {model_type} {vocab_size}")
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(self.model_proto)
         os.replace(tmp, path)
+        return path
 
     @property
     def vocab_size(self) -> int:
@@ -71,14 +144,86 @@ class Tokenizer:
 
     @property
     def identity(self) -> str:
-        """sha256 of the model file: what a checkpoint records to refuse a different tokenizer."""
         return hashlib.sha256(self.model_proto).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
-    def encode_documents(self, documents: list[str]) -> list[list[int]]:
-        return self._sp.encode(documents)
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts))
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+
+class HFTokenizer(Tokenizer):
+    """A `transformers` tokenizer (e.g. GPT-2's BPE); EOS is its `eos_token`."""
+
+    file_name = "tokenizer"
+
+    def __init__(self, name_or_path: str):
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(name_or_path)
+        except Exception as err:  # offline, unknown name, broken folder: one line
+            raise DataError(f"tokenizer {name_or_path!r} could not be loaded: {type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''}") from None
+        if self._tok.eos_token_id is None:
+            raise DataError(f"tokenizer {name_or_path!r} has no EOS token; documents need one as separator")
+        self.source = name_or_path
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self._tok.eos_token_id)
+
+    @property
+    def identity(self) -> str:
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is not None:
+            text = backend.to_str()
+        else:
+            text = repr(sorted(self._tok.get_vocab().items()))
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._tok.save_pretrained(str(path))
+        return path
+
+
+def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
+    """A sentencepiece `.model` file, a Hugging Face tokenizer folder, or a hub name."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return SentencePieceTokenizer.load(path)
+    if path.is_dir():
+        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+            raise DataError(f"{path}: a folder without tokenizer.json/tokenizer_config.json")
+        return HFTokenizer(str(path))
+    if str(spec).endswith(".model") or str(spec).startswith((".", "/", "~")):
+        raise DataError(f"tokenizer {str(spec)!r}: no such file")
+    return HFTokenizer(str(spec))
+
+
+class MegatronTokenizerView:
+    """What megatron-core's GPTDataset asks of a tokenizer (eod, vocab size, a cache identity)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.eod = tokenizer.eos_id
+        self.vocab_size = tokenizer.vocab_size
+        self.unique_identifiers = OrderedDict(kind=type(tokenizer).__name__, sha256=tokenizer.identity)

@@ -3,8 +3,9 @@
     grt-train model=tiny data=pydoc train.iters=300 run.dir=runs/tiny seed=1 train.precision=fp32 \
               logging.wandb=disabled
 
-`data=` takes a recipe from recipes/data/ or, for convenience, a text/jsonl file or a Hugging Face
-dataset name (rewritten to `data=corpus data.source=...`).
+`data=` takes a recipe from recipes/data/ or, for convenience, a prepared prefix (rewritten to
+`data=indexed data.prefixes=[PREFIX]`) or a raw corpus: a file or a Hugging Face dataset name
+(rewritten to `data=corpus data.source=...`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ def rewrite_data_argument(args: list[str], recipes: Path = RECIPES) -> list[str]
     for arg in args:
         key, sep, value = arg.partition("=")
         if sep and key == "data" and value and not (recipes / "data" / f"{value}.yaml").is_file():
-            out += ["data=corpus", f"data.source={value}"]
+            if Path(value + ".idx").is_file():
+                out += ["data=indexed", f"data.prefixes=[{value}]"]
+            else:
+                out += ["data=corpus", f"data.source={value}"]
         else:
             out.append(arg)
     return out
@@ -57,7 +61,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    from grt_megatron.training.metrics import quiet_known_warnings
+    from grt_megatron.console import quiet_known_warnings
 
     if not RECIPES.is_dir():
         _fail(f"recipes folder {RECIPES} not found; set GRT_RECIPES to the repository's recipes/")

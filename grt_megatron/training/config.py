@@ -48,14 +48,27 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "builtin:pydoc_topics"
-    """`builtin:pydoc_topics` (the Python reference that ships with CPython), a .txt/.jsonl file,
-    or a Hugging Face dataset `name[:config][@split]`."""
-    text_key: str = "text"
+    source: Optional[str] = None
+    """A raw corpus — `builtin:pydoc_topics`, a .txt/.jsonl/.parquet file or a Hugging Face dataset
+    `name[:config][@split]` — prepared into `{run.dir}/data/corpus` when the run starts."""
+    prefixes: list[str] = field(default_factory=list)
+    """Prepared Megatron indexed datasets (`grt-prepare-data`); set this or `source`."""
+    weights: Optional[list[float]] = None
+    """Blend weights, one per prefix (None: proportional to their sizes)."""
+    split: str = "969,30,1"
+    """train,valid,test weights over documents, as in Megatron-LM."""
     tokenizer: Optional[str] = None
-    """A sentencepiece .model to load; None trains one on the corpus (saved in the run dir)."""
-    vocab_size: int = 2048
-    valid_fraction: float = 0.05
+    """A sentencepiece .model or HF tokenizer folder/name; None: the one prepared with the first prefix
+    (`PREFIX.tokenizer.model`), or, with `source`, train one of `vocab_size`."""
+    vocab_size: int = 8192
+    text_key: str = "text"
+    on_bad_record: str = "fail"
+    on_decode_error: str = "fail"
+    cache_dir: Optional[str] = None
+    """Where megatron writes its dataset indices (default `{run.dir}/data/cache`)."""
+    train_samples: Optional[int] = None
+    """Size of the training sample stream (default train.iters × global batch). The data order depends
+    on it: keep it when extending a run."""
 
 
 @dataclass
@@ -122,6 +135,8 @@ _CHOICES = {
     "train.precision": ("fp32", "bf16"),
     "train.optimizer": ("torch", "deepspeed"),
     "logging.wandb": ("auto", "online", "offline", "disabled"),
+    "data.on_bad_record": ("fail", "skip"),
+    "data.on_decode_error": ("fail", "replace"),
 }
 
 
@@ -148,8 +163,10 @@ def build_run_config(cfg: DictConfig | dict) -> RunConfig:
     for key in ("iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_interval", "eval_iters"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    # The model recipe is checked now, before any data is prepared (the vocabulary comes later).
+    run.model_config(vocab_size=run.model.get("vocab_size") or 1)
     if run.deepspeed.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"deepspeed.zero_stage={run.deepspeed.zero_stage} is not one of 0, 1, 2, 3")
-    if not 0 < run.data.valid_fraction < 1:
-        raise ConfigError(f"data.valid_fraction must be in (0, 1), got {run.data.valid_fraction}")
+    if bool(run.data.source) == bool(run.data.prefixes):
+        raise ConfigError("set exactly one of data.source (a raw corpus) and data.prefixes (prepared data)")
     return run

@@ -4,30 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Optional
-
-
-def quiet_known_warnings() -> None:
-    """megatron-core and DeepSpeed warn at import about optional CUDA extensions (apex, TE) and
-    upcoming API changes; on the portable path these are expected and drown the run's own output."""
-    for pattern in (
-        ".*Apex is not installed.*",
-        ".*Transformer Engine and Apex are not installed.*",
-        ".*tp_group is None.*",
-        ".*full scope is deprecated.*",
-        ".*requires ffn_hidden_size.*",
-    ):
-        warnings.filterwarnings("ignore", message=pattern)
-    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(megatron|deepspeed|torch\.jit).*")
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if _cuda_available() else "cpu")
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def wandb_mode(requested: str) -> str:

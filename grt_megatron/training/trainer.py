@@ -16,12 +16,11 @@ from megatron.core import parallel_state
 from tqdm import tqdm
 
 from grt_megatron import __version__
-from grt_megatron.data import (Tokenizer, eval_windows, load_documents, load_token_splits,
-                               sample_noise_seeds, train_batch)
 from grt_megatron.distributed import DistributedInfo, destroy_distributed, init_distributed
 from grt_megatron.generation import sample_text
 from grt_megatron.model import ConfigError, DepthSampler, GRTConfig, GRTLanguageModel, train_flops_per_token
 from grt_megatron.training.config import RunConfig
+from grt_megatron.training.data import sample_noise_seeds, setup_training_data
 from grt_megatron.training.engine import MegatronMPU, batch_layout, build_engine
 from grt_megatron.training.metrics import MetricsLogger
 
@@ -35,17 +34,6 @@ class TrainResult:
     sample: Optional[str]
 
 
-def prepare_tokenizer(cfg: RunConfig, run_dir: Path, info: DistributedInfo) -> Tokenizer:
-    """Load `data.tokenizer`, or train one on the corpus on rank 0; every rank then reads the same file."""
-    if cfg.data.tokenizer:
-        return Tokenizer.load(cfg.data.tokenizer)
-    path = run_dir / "tokenizer.model"
-    if info.is_main and not path.exists():
-        Tokenizer.train(load_documents(cfg.data.source, cfg.data.text_key), cfg.data.vocab_size).save(path)
-    dist.barrier()
-    return Tokenizer.load(path)
-
-
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -56,9 +44,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
         self.seq_length = cfg.seq_length
-        self.tokenizer = prepare_tokenizer(cfg, self.run_dir, self.info)
-        self.data = load_token_splits(cfg.data.source, cfg.data.text_key, self.tokenizer,
-                                      cfg.data.valid_fraction, self.seq_length)
+        self.data = setup_training_data(cfg, self.run_dir, self.info, self.seq_length)
+        self.tokenizer = self.data.tokenizer
         self.model_config: GRTConfig = cfg.model_config(self.tokenizer.vocab_size)
         if self.seq_length > self.model_config.max_sequence_length:
             raise ConfigError(f"train.seq_length={self.seq_length} exceeds model.max_sequence_length="
@@ -70,13 +57,11 @@ class Trainer:
         self.clip_here = cfg.deepspeed.zero_stage == 0 and cfg.train.precision == "fp32"
         self.engine = build_engine(self.model, cfg, self.info.dp_size, clip_in_deepspeed=not self.clip_here)
         self.sampler = DepthSampler.from_config(self.model_config, cfg.seed)
-        # Megatron-LM's meaning of eval_iters: that many global batches (fewer if the split is short).
-        self.eval_data = eval_windows(self.data.valid, self.seq_length,
-                                      cfg.train.eval_iters * cfg.train.global_batch_size)
         self.logger = MetricsLogger(self.run_dir, self.info.is_main, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.run.name, cfg.to_dict())
         if self.info.is_main:
             self._write_run_info()
+            self.tokenizer.save(self.run_dir / self.tokenizer.file_name)
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def _write_run_info(self) -> None:
@@ -86,9 +71,10 @@ class Trainer:
             "model": self.model_config.to_dict(),
             "model_shape": self.model_config.shape_name,
             "parameters": sum(p.numel() for p in self.model.parameters()),
-            "tokenizer_sha256": self.tokenizer.identity,
-            "train_tokens": int(len(self.data.train)),
-            "valid_tokens": int(len(self.data.valid)),
+            "tokenizer": self.tokenizer.describe(),
+            "data_prefixes": self.data.prefixes,
+            "train_samples": len(self.data.datasets.train),
+            "valid_samples": len(self.data.valid_rows),
             "world_size": self.info.world_size,
         }
         tmp = self.run_dir / "run_info.json.tmp"
@@ -111,14 +97,14 @@ class Trainer:
         cfg = self.cfg
         draw = self.sampler.draw(iteration)
         lr = float(self.engine.get_lr()[0])  # the rate this step's update uses
-        batch = train_batch(self.data.train, self.seq_length, cfg.seed, iteration, cfg.train.global_batch_size)
         per_rank = self.micro_batch * self.accumulation
         first_row = self.info.dp_rank * per_rank
+        rows = self.data.train_rows(iteration, cfg.train.global_batch_size, first_row, per_rank)
         total = torch.zeros((), dtype=torch.float32, device=self.info.device)
         grad_norm = None
         for m in range(self.accumulation):
             start = first_row + m * self.micro_batch
-            tokens, labels = self._to_device(batch[start : start + self.micro_batch])
+            tokens, labels = self._to_device(rows[m * self.micro_batch : (m + 1) * self.micro_batch])
             seeds = sample_noise_seeds(cfg.seed, iteration, range(start, start + self.micro_batch))
             loss = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences, seeds).mean()
             self.engine.backward(loss)
@@ -143,7 +129,7 @@ class Trainer:
         """Mean validation loss per token at the configured R, noise off (eval mode), over the fixed
         validation windows; data-parallel ranks share the windows and sum their losses."""
         self.engine.eval()
-        mine = self.eval_data[self.info.dp_rank :: self.info.dp_size]
+        mine = self.data.valid_rows[self.info.dp_rank :: self.info.dp_size]
         sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)  # loss sum, token count
         for start in range(0, len(mine), self.micro_batch):
             tokens, labels = self._to_device(mine[start : start + self.micro_batch])

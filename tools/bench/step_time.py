@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from grt_megatron.training.metrics import quiet_known_warnings  # noqa: E402
+from grt_megatron.console import quiet_known_warnings  # noqa: E402
 
 quiet_known_warnings()
 

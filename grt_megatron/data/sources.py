@@ -1,0 +1,175 @@
+"""Where text comes from: the built-in corpus, local .txt/.jsonl/.parquet files, Hugging Face datasets.
+
+Bad records and bad bytes either stop the run with one line naming the file and line, or are skipped /
+replaced and counted, as the caller's `SourcePolicy` says.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+BUILTIN_PYDOC = "builtin:pydoc_topics"
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+TXT_DOCUMENT_CHARS = 8192
+"""Plain text files are cut into documents of about this many characters at paragraph breaks, so that
+document-level train/valid/test splits work on a single file (joined by blank lines they give back the
+file, with runs of blank lines normalised to one)."""
+
+
+class DataError(ValueError):
+    """Input data that cannot be used; the message names the file, line or field."""
+
+
+class EmptyCorpusError(DataError):
+    """The inputs hold no non-blank document."""
+
+
+@dataclass
+class SourcePolicy:
+    text_key: str = "text"
+    on_bad_record: str = "fail"
+    """A jsonl line that is not JSON or lacks the text key: `fail` or `skip` (counted)."""
+    on_decode_error: str = "fail"
+    """Bytes that are not UTF-8: `fail` or `replace` with U+FFFD (counted)."""
+
+    def __post_init__(self) -> None:
+        if self.on_bad_record not in ("fail", "skip"):
+            raise DataError(f"on_bad_record={self.on_bad_record!r} is not one of fail, skip")
+        if self.on_decode_error not in ("fail", "replace"):
+            raise DataError(f"on_decode_error={self.on_decode_error!r} is not one of fail, replace")
+
+
+@dataclass
+class SourceStats:
+    documents: int = 0
+    skipped_records: int = 0
+    replaced_decode_errors: int = 0
+
+
+def _decode(raw: bytes, where: str, policy: SourcePolicy, stats: SourceStats) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if policy.on_decode_error == "fail":
+            raise DataError(f"{where}: not UTF-8 (byte {err.start}); use on_decode_error=replace "
+                            "to replace bad bytes") from None
+        stats.replaced_decode_errors += 1
+        return raw.decode("utf-8", errors="replace")
+
+
+def split_text_file(text: str, target_chars: int = TXT_DOCUMENT_CHARS) -> Iterator[str]:
+    """Whole paragraphs grouped into documents of at least `target_chars` (the last may be shorter)."""
+    paragraphs = [p.strip("\n") for p in re.split(r"\n[ \t]*\n", text)]
+    doc: list[str] = []
+    size = 0
+    for para in paragraphs:
+        if not para.strip():
+            continue
+        doc.append(para)
+        size += len(para)
+        if size >= target_chars:
+            yield "\n\n".join(doc)
+            doc, size = [], 0
+    if doc:
+        yield "\n\n".join(doc)
+
+
+def _pydoc_topics() -> Iterator[str]:
+    # The Python language reference, shipped with every CPython: real English prose and code, offline.
+    from pydoc_data.topics import topics
+
+    for key in sorted(topics):
+        yield topics[key]
+
+
+def _jsonl(path: Path, policy: SourcePolicy, stats: SourceStats) -> Iterator[str]:
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            line = _decode(raw, where, policy, stats)
+            try:
+                record = json.loads(line)
+                problem = None if isinstance(record, dict) and policy.text_key in record else (
+                    f"no {policy.text_key!r} key")
+            except json.JSONDecodeError as err:
+                problem = f"not valid JSON ({err.msg})"
+            if problem is not None:
+                if policy.on_bad_record == "fail":
+                    raise DataError(f"{where}: {problem}; use on_bad_record=skip to skip such lines")
+                stats.skipped_records += 1
+                continue
+            yield str(record[policy.text_key])
+
+
+def _parquet(path: Path, policy: SourcePolicy) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as err:
+        raise DataError(f"{path}: not a parquet file ({type(err).__name__})") from None
+    if policy.text_key not in table.schema_arrow.names:
+        raise DataError(f"{path}: no column {policy.text_key!r} (columns: {table.schema_arrow.names})")
+    for batch in table.iter_batches(columns=[policy.text_key], batch_size=1024):
+        yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
+
+
+def _hf_dataset(spec: str, policy: SourcePolicy) -> Iterator[str]:
+    """`name[:config][@split]`, e.g. `wikitext:wikitext-2-raw-v1@train`, streamed."""
+    import datasets
+
+    name, _, split = spec.partition("@")
+    name, _, config = name.partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+        first = next(iter(ds.take(1)), None)
+    except Exception as err:  # offline, unknown name, ...: one line, not a stack trace
+        raise DataError(f"input {spec!r}: not a local file, and loading it as a Hugging Face dataset failed: "
+                        f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}") from None
+    if first is not None and policy.text_key not in first:
+        raise DataError(f"dataset {spec!r} has no column {policy.text_key!r} (columns: {sorted(first)})")
+    for record in ds:
+        yield str(record[policy.text_key])
+
+
+def _one_source(source: str, policy: SourcePolicy, stats: SourceStats) -> Iterator[str]:
+    if source in (BUILTIN_PYDOC, "builtin"):
+        yield from _pydoc_topics()
+        return
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix in (".jsonl", ".json"):
+            yield from _jsonl(path, policy, stats)
+        elif path.suffix == ".parquet":
+            yield from _parquet(path, policy)
+        else:  # any other file is plain text
+            yield from split_text_file(_decode(path.read_bytes(), str(path), policy, stats))
+    elif path.suffix in LOCAL_SUFFIXES or source.startswith((".", "/", "~")):
+        raise DataError(f"input {source!r}: no such file")
+    else:
+        yield from _hf_dataset(source, policy)
+
+
+def iter_documents(sources: Sequence[str] | str, policy: SourcePolicy | None = None,
+                   stats: SourceStats | None = None) -> Iterator[str]:
+    """Non-empty documents of every source in order; `stats` counts documents, skips, replacements."""
+    policy = policy or SourcePolicy()
+    stats = stats if stats is not None else SourceStats()
+    for source in [sources] if isinstance(sources, str) else sources:
+        for doc in _one_source(source, policy, stats):
+            if doc.strip():
+                stats.documents += 1
+                yield doc
+
+
+def load_documents(sources: Sequence[str] | str, policy: SourcePolicy | None = None) -> list[str]:
+    docs = list(iter_documents(sources, policy))
+    if not docs:
+        raise EmptyCorpusError(f"input {sources!r}: the corpus is empty")
+    return docs

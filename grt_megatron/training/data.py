@@ -1,0 +1,89 @@
+"""The run's data: a tokenizer, prepared prefixes (preparing a raw `data.source` first) and the
+train/valid GPT datasets, set up identically on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+
+from grt_megatron.data import DataError, SourcePolicy, Tokenizer, load_tokenizer
+from grt_megatron.data.gpt_datasets import GPTDatasets, build_gpt_datasets
+from grt_megatron.data.indexed import verify_prefix
+from grt_megatron.data.prepare import prepare_dataset, tokenizer_of_prefix
+from grt_megatron.distributed import DistributedInfo
+from grt_megatron.model import ConfigError
+from grt_megatron.training.config import RunConfig
+
+_NOISE_STREAM = 0x6e6f
+
+
+@dataclass
+class TrainingData:
+    tokenizer: Tokenizer
+    prefixes: list[str]
+    datasets: GPTDatasets
+    valid_rows: np.ndarray
+    """The fixed evaluation set: eval_iters × global batch validation samples, [n, seq_length + 1]."""
+
+    def train_rows(self, iteration: int, global_batch: int, first: int, count: int) -> np.ndarray:
+        """Rows [first, first + count) of iteration's global batch: samples i·G + first ... of the stream."""
+        return GPTDatasets.rows(self.datasets.train, iteration * global_batch + first, count)
+
+
+def sample_noise_seeds(seed: int, iteration: int, rows: range) -> list[int]:
+    """One seed per global batch row: the model's training noise for a sample depends on
+    (seed, iteration, row) only, not on the data-parallel rank or micro-batch that runs it."""
+    return [int(np.random.SeedSequence([seed, iteration, row, _NOISE_STREAM]).generate_state(1)[0])
+            for row in rows]
+
+
+def _resolve_tokenizer_and_prefixes(cfg: RunConfig, run_dir: Path, info: DistributedInfo):
+    d = cfg.data
+    tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None
+    if d.source:
+        prefix = run_dir / "data" / "corpus"
+        if info.is_main:
+            summary = prepare_dataset(
+                [d.source], prefix, tokenizer, train_vocab_size=None if tokenizer else d.vocab_size,
+                policy=SourcePolicy(d.text_key, d.on_bad_record, d.on_decode_error), overwrite=True,
+                progress=cfg.logging.progress,
+            )
+            print(f"prepared {summary.line()}", flush=True)
+        dist.barrier()
+        prefixes = [str(prefix)]
+    else:
+        prefixes = list(d.prefixes)
+        for prefix in prefixes:  # a missing or broken prefix is the first thing to report
+            verify_prefix(prefix)
+    if tokenizer is None:
+        tokenizer = tokenizer_of_prefix(prefixes[0])
+        if tokenizer is None:
+            raise ConfigError(f"data.tokenizer is not set and {prefixes[0]}.tokenizer.model does not exist: "
+                              "name the tokenizer the prefixes were prepared with")
+    return tokenizer, prefixes
+
+
+def setup_training_data(cfg: RunConfig, run_dir: Path, info: DistributedInfo, seq_length: int) -> TrainingData:
+    tokenizer, prefixes = _resolve_tokenizer_and_prefixes(cfg, run_dir, info)
+    g = cfg.train.global_batch_size
+    valid_samples = cfg.train.eval_iters * g
+    kwargs = dict(
+        seq_length=seq_length, seed=cfg.seed, train_samples=cfg.data.train_samples or cfg.train.iters * g,
+        valid_samples=valid_samples, split=cfg.data.split,
+        cache_dir=cfg.data.cache_dir or str(run_dir / "data" / "cache"),
+    )
+    # Rank 0 builds megatron's index caches; the others then read them instead of racing to write.
+    datasets = None
+    if info.is_main:
+        datasets = build_gpt_datasets(prefixes, cfg.data.weights, tokenizer, **kwargs)
+    dist.barrier()
+    if not info.is_main:
+        datasets = build_gpt_datasets(prefixes, cfg.data.weights, tokenizer, **kwargs)
+    if len(datasets.train) < kwargs["train_samples"]:
+        raise DataError(f"the training split holds {len(datasets.train)} samples, fewer than the "
+                        f"{kwargs['train_samples']} asked for")
+    valid_rows = GPTDatasets.rows(datasets.valid, 0, min(valid_samples, len(datasets.valid)))
+    return TrainingData(tokenizer, prefixes, datasets, valid_rows)
