@@ -15,6 +15,7 @@ def quiet_known_warnings() -> None:
         ".*tp_group is None.*",
         ".*full scope is deprecated.*",
         ".*requires ffn_hidden_size.*",
+        ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(megatron|deepspeed|torch\.jit).*")

@@ -18,25 +18,13 @@ import torch
 _APPLIED: list[str] = []
 
 
-def _cpu_global_memory_buffer() -> None:
-    """`GlobalMemoryBuffer.get_tensor` allocates its scratch tensors on `torch.cuda.current_device()`.
-
-    DotProductAttention takes its `baddbmm` output buffer from it, so without this no attention runs.
-    The replacement keeps the same contract (one reusable flat buffer per (name, dtype)) on the CPU.
-    """
-    from megatron.core.utils import GlobalMemoryBuffer
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        numel = 1
-        for size in tensor_shape:
-            numel *= size
-        buffer = self.buffer.get((name, dtype))
-        if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype, device="cpu", requires_grad=False)
-            self.buffer[(name, dtype)] = buffer
-        return buffer[:numel].view(*tensor_shape)
-
-    GlobalMemoryBuffer.get_tensor = get_tensor
+def _cuda_current_device_is_cpu() -> None:
+    """megatron-core allocates with `device=torch.cuda.current_device()` in ~40 places that have nothing
+    to do with CUDA: the attention scratch buffer (GlobalMemoryBuffer), the all-gather / reduce-scatter
+    outputs of tensor and sequence parallelism, RoPE's frequencies. Without CUDA that call raises; here it
+    names the CPU, so each of those allocations lands where the model is. Code that needs a real GPU index
+    fails as it would have anyway."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
 
 
 class _SilenceExpectedCpuRngWarning(logging.Filter):
@@ -76,22 +64,6 @@ def _cpu_rng_tracker() -> None:
     logging.getLogger(mp_random.__name__).addFilter(_SilenceExpectedCpuRngWarning())
 
 
-def _cpu_rotary_embedding() -> None:
-    """`RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on first use.
-    Without CUDA it stays where the model is; the frequencies and layout are megatron's own."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    def get_emb(self, max_seq_len: int, offset: int = 0):
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-        if self.rotary_interleaved:
-            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        return emb[:, None, None, :]
-
-    RotaryEmbedding.get_emb = get_emb
-
-
 def _deepspeed_skip_shm_comm_build() -> None:
     """DeepSpeed's CPU accelerator JIT-compiles `deepspeed_shm_comm` whenever a communicator starts
     (~20-30 s per process). Collectives then go through torch.distributed/gloo, which is what we test."""
@@ -101,9 +73,8 @@ def _deepspeed_skip_shm_comm_build() -> None:
 
 
 SHIMS: dict[str, Callable[[], None]] = {
-    "cpu_global_memory_buffer": _cpu_global_memory_buffer,
+    "cuda_current_device_is_cpu": _cuda_current_device_is_cpu,
     "cpu_rng_tracker": _cpu_rng_tracker,
-    "cpu_rotary_embedding": _cpu_rotary_embedding,
     "deepspeed_skip_shm_comm_build": _deepspeed_skip_shm_comm_build,
 }
 

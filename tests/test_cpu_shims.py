@@ -12,6 +12,11 @@ def test_all_shims_applied_once_without_cuda():
     assert apply_cpu_shims() == applied  # idempotent
 
 
+def test_current_device_names_the_cpu():
+    apply_cpu_shims()
+    assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+
+
 def test_global_memory_buffer_allocates_on_cpu_and_reuses(world):
     from megatron.core import parallel_state
 

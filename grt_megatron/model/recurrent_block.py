@@ -27,7 +27,7 @@ import numpy as np
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
@@ -63,9 +63,11 @@ class GatedRecurrentBlock(MegatronModule):
         )
         self.injection = None
         if config.injection == "concat_project":
+            # Without SP the row-parallel linear splits [h, h_pre] over TP ranks itself; with SP its input
+            # is prepared by `_inject` (sequence gathered, hidden split) and its output reduce-scattered.
             self.injection = build_module(
                 submodules.injection, 2 * d, d, config=config, init_method=config.init_method,
-                bias=False, input_is_parallel=False, skip_bias_add=False, is_expert=False,
+                bias=False, input_is_parallel=config.sequence_parallel, skip_bias_add=False, is_expert=False,
             )
         self.gate_fc1 = self.gate_fc2 = None
         if config.gate == "mlp":
@@ -105,21 +107,42 @@ class GatedRecurrentBlock(MegatronModule):
             hidden, _ = layer(hidden, attention_mask=inputs.attention_mask, rotary_pos_emb=inputs.rotary_pos_emb)
         return hidden
 
+    def _sequence_shard(self) -> tuple[int, int]:
+        """(shards, index) of this rank's slice of the sequence: (TP size, TP rank) under SP."""
+        if not self.config.sequence_parallel:
+            return 1, 0
+        return (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_tensor_model_parallel_rank())
+
     def _noise(self, like: torch.Tensor, inputs: "StepInputs", step: int, kind: int) -> Optional[torch.Tensor]:
         if not (self.training and self.config.noise_sigma > 0):
             return None
         per_token = self.config.noise_shape == "per_token"
-        return draw_noise(like, self.config.noise_sigma, per_token, inputs.noise_seeds, step, kind)
+        return draw_noise(like, self.config.noise_sigma, per_token, inputs.noise_seeds, step, kind,
+                          self._sequence_shard())
+
+    def _inject(self, h_in: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
+        z = torch.cat([h_in, h_pre], dim=-1)
+        if self.config.sequence_parallel:
+            # [s/tp, b, 2d] -> [s, b, 2d/tp]. Gradients coming back are complete on every rank (the
+            # hidden split's backward all-gathers them), so the sequence gather must only split them.
+            z = tensor_parallel.gather_from_sequence_parallel_region(z, tensor_parallel_output_grad=False)
+            z = tensor_parallel.scatter_to_tensor_model_parallel_region(z)
+        x, _ = self.injection(z)
+        return x
 
     def initial_state(self, h_pre: torch.Tensor, inputs: "StepInputs") -> torch.Tensor:
         if self.config.initial_state == "prelude":
             return h_pre
         std = self.config.initial_state_std
+        shard = self._sequence_shard()
         if self.training:
-            return draw_noise(h_pre, std, False, inputs.noise_seeds, step=0, kind=NOISE_INITIAL_STATE)
+            return draw_noise(h_pre, std, False, inputs.noise_seeds, 0, NOISE_INITIAL_STATE, shard)
         # Evaluation and generation must be deterministic: a fixed draw, independent of global RNG.
+        s, b, d = h_pre.shape
         generator = torch.Generator(device=h_pre.device).manual_seed(0)
-        return torch.randn(h_pre.shape, generator=generator, device=h_pre.device).to(h_pre.dtype) * std
+        full = torch.randn((s * shard[0], b, d), generator=generator, device=h_pre.device)
+        return full[s * shard[1] : s * (shard[1] + 1)].to(h_pre.dtype) * std
 
     def recurrence_step(self, h, h_pre, inputs: "StepInputs", step: int):
         """Step `step` (0-based): h_{r-1} -> h_r.
@@ -131,7 +154,7 @@ class GatedRecurrentBlock(MegatronModule):
         eps_x = self._noise(h, inputs, step, NOISE_STATE)
         h_in = h if eps_x is None else h + eps_x
         if cfg.injection == "concat_project":
-            x, _ = self.injection(torch.cat([h_in, h_pre], dim=-1))
+            x = self._inject(h_in, h_pre)
         elif cfg.injection == "add" and not (step == 0 and cfg.initial_state == "prelude"):
             x = h_in + h_pre
         else:
@@ -203,11 +226,13 @@ NOISE_STATE, NOISE_GATE, NOISE_INITIAL_STATE = 0, 1, 2
 
 
 def draw_noise(like: torch.Tensor, sigma: float, per_token: bool, seeds: Optional[Sequence[int]],
-               step: int, kind: int) -> torch.Tensor:
+               step: int, kind: int, sequence_shard: tuple[int, int] = (1, 0)) -> torch.Tensor:
     """N(0, sigma²) noise shaped like `like` ([s, b, d]; [s, b, 1] per token).
 
     With `seeds`, sample i's noise at (step, kind) comes from its own generator, so a sample gets the
-    same noise in every parallel layout, in a checkpoint recompute and after a resume.
+    same noise in every parallel layout, in a checkpoint recompute and after a resume. Under sequence
+    parallelism `like` is this rank's slice (`sequence_shard` = (shards, index)) of the sequence: the
+    sample's full-length noise is drawn and the slice kept.
     """
     s, b, d = like.shape
     width = 1 if per_token else d
@@ -215,9 +240,11 @@ def draw_noise(like: torch.Tensor, sigma: float, per_token: bool, seeds: Optiona
         return torch.randn((s, b, width), dtype=like.dtype, device=like.device) * sigma
     if len(seeds) != b:
         raise ValueError(f"{len(seeds)} noise seeds for a batch of {b}")
+    shards, index = sequence_shard
     columns = []
     for seed in seeds:
         mixed = np.random.SeedSequence([int(seed), step, kind]).generate_state(1, np.uint64)[0]
         generator = torch.Generator(device=like.device).manual_seed(int(mixed) & (2**63 - 1))
-        columns.append(torch.randn((s, width), generator=generator, device=like.device))
+        full = torch.randn((s * shards, width), generator=generator, device=like.device)
+        columns.append(full[s * index : s * (index + 1)])
     return (torch.stack(columns, dim=1) * sigma).to(like.dtype)

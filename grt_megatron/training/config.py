@@ -6,6 +6,7 @@ dataclass here, so a misspelt or mistyped key fails before anything is built, na
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -13,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grt_megatron.model.config import ConfigError, GRTConfig
+from grt_megatron.parallel import validate_layout
 
 
 @dataclass
@@ -163,10 +165,16 @@ def build_run_config(cfg: DictConfig | dict) -> RunConfig:
     for key in ("iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_interval", "eval_iters"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
-    # The model recipe is checked now, before any data is prepared (the vocabulary comes later).
-    run.model_config(vocab_size=run.model.get("vocab_size") or 1)
     if run.deepspeed.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"deepspeed.zero_stage={run.deepspeed.zero_stage} is not one of 0, 1, 2, 3")
+    # The layout and the model recipe are checked now: before any process group starts (a wrong layout
+    # would hang it) and before any data is prepared (the vocabulary is known only later).
+    validate_layout(
+        world_size=int(os.environ.get("WORLD_SIZE", "1")), tp=run.parallel.tp, pp=run.parallel.pp,
+        sp=run.parallel.sp, zero_stage=run.deepspeed.zero_stage, model=run.model, seq_length=run.seq_length,
+        micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
+    )
+    run.model_config(vocab_size=run.model.get("vocab_size") or 1)
     if bool(run.data.source) == bool(run.data.prefixes):
         raise ConfigError("set exactly one of data.source (a raw corpus) and data.prefixes (prepared data)")
     return run

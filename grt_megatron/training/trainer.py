@@ -18,6 +18,7 @@ from tqdm import tqdm
 from grt_megatron import __version__
 from grt_megatron.distributed import DistributedInfo, destroy_distributed, init_distributed
 from grt_megatron.generation import sample_text
+from grt_megatron.parallel import register_sequence_parallel_grad_hooks
 from grt_megatron.model import ConfigError, DepthSampler, GRTConfig, GRTLanguageModel, train_flops_per_token
 from grt_megatron.training.config import RunConfig
 from grt_megatron.training.data import sample_noise_seeds, setup_training_data
@@ -51,6 +52,8 @@ class Trainer:
             raise ConfigError(f"train.seq_length={self.seq_length} exceeds model.max_sequence_length="
                               f"{self.model_config.max_sequence_length}")
         self.model = GRTLanguageModel(self.model_config)
+        if self.model_config.sequence_parallel:
+            register_sequence_parallel_grad_hooks(self.model)
         self.micro_batch, self.accumulation = batch_layout(cfg, self.info.dp_size)
         # Clipping with fp32 and no ZeRO is done here, because only then DeepSpeed does not report
         # the grad norm it computes; every other layout clips inside DeepSpeed's optimizer wrapper.
