@@ -79,3 +79,15 @@ def test_wrong_layout_is_refused_quickly(tmp_path, args, procs, needle):
     assert needle in proc.stderr, proc.stderr[-2000:]
     assert time.perf_counter() - start < 60  # refused at start, not after a hang
     assert not (tmp_path / "data").exists()  # before any data preparation
+
+
+def test_data_error_on_rank_0_stops_every_rank(tmp_path):
+    """Rank 0 prepares the data; when that fails, the other ranks must fail too, not wait at a barrier."""
+    start = time.perf_counter()
+    proc = run_cli(["model=tiny", "data=/no/such/corpus.txt", "train.iters=1", "train.micro_batch_size=8",
+                    f"run.dir={tmp_path}", *QUIET],
+                   launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master_port={next(PORT)}"], timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("grt-train: error: input '/no/such/corpus.txt': no such file") == 2
+    assert time.perf_counter() - start < 60

@@ -40,19 +40,41 @@ def sample_noise_seeds(seed: int, iteration: int, rows: range) -> list[int]:
             for row in rows]
 
 
+def on_main_rank_first(info: DistributedInfo, work, everywhere: bool = False):
+    """Run `work()` on rank 0 (then on the other ranks too if `everywhere`), with its outcome shared: if
+    rank 0 fails with a DataError/ConfigError, every rank raises it, instead of the others waiting forever
+    at the next collective."""
+    result, failure = None, None
+    if info.is_main:
+        try:
+            result = work()
+        except (DataError, ConfigError) as err:
+            failure = (isinstance(err, ConfigError), str(err))
+    box = [failure]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        is_config, message = box[0]
+        raise (ConfigError if is_config else DataError)(message)
+    if everywhere and not info.is_main:
+        result = work()
+    return result
+
+
 def _resolve_tokenizer_and_prefixes(cfg: RunConfig, run_dir: Path, info: DistributedInfo):
     d = cfg.data
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None
     if d.source:
         prefix = run_dir / "data" / "corpus"
-        if info.is_main:
+
+        def prepare():
             summary = prepare_dataset(
                 [d.source], prefix, tokenizer, train_vocab_size=None if tokenizer else d.vocab_size,
                 policy=SourcePolicy(d.text_key, d.on_bad_record, d.on_decode_error), overwrite=True,
                 progress=cfg.logging.progress,
             )
             print(f"prepared {summary.line()}", flush=True)
-        dist.barrier()
+
+        on_main_rank_first(info, prepare)
         prefixes = [str(prefix)]
     else:
         prefixes = list(d.prefixes)
@@ -76,12 +98,8 @@ def setup_training_data(cfg: RunConfig, run_dir: Path, info: DistributedInfo, se
         cache_dir=cfg.data.cache_dir or str(run_dir / "data" / "cache"),
     )
     # Rank 0 builds megatron's index caches; the others then read them instead of racing to write.
-    datasets = None
-    if info.is_main:
-        datasets = build_gpt_datasets(prefixes, cfg.data.weights, tokenizer, **kwargs)
-    dist.barrier()
-    if not info.is_main:
-        datasets = build_gpt_datasets(prefixes, cfg.data.weights, tokenizer, **kwargs)
+    datasets = on_main_rank_first(
+        info, lambda: build_gpt_datasets(prefixes, cfg.data.weights, tokenizer, **kwargs), everywhere=True)
     if len(datasets.train) < kwargs["train_samples"]:
         raise DataError(f"the training split holds {len(datasets.train)} samples, fewer than the "
                         f"{kwargs['train_samples']} asked for")
