@@ -26,7 +26,7 @@ def build(cfg: GRTConfig, seed: int = 0) -> GRTLanguageModel:
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    return GRTLanguageModel(cfg)
+    return GRTLanguageModel(cfg, init_seed=seed)
 
 
 def tokens(batch=2, seq=16, vocab=300, seed=0):

@@ -39,6 +39,10 @@ LAYOUTS = [
     ("tiny", 4, ["parallel.tp=2", "deepspeed.zero_stage=1"]),
     ("tiny", 4, ["parallel.tp=2", "parallel.sp=true", "deepspeed.zero_stage=2"]),
     ("tiny_dense", 2, ["parallel.tp=2"]),
+    ("tiny", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
+    ("tiny", 4, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
+    ("tiny", 4, ["parallel.pp=2", "parallel.tp=2", "deepspeed.zero_stage=1"]),
+    ("tiny_dense", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
 ]
 
 
@@ -66,7 +70,7 @@ def test_layout_matches_one_process(references, pydoc_prefix, tmp_path, model, p
     (["parallel.sp=true"], 1, "parallel.sp=true needs parallel.tp > 1"),
     (["parallel.tp=2", "deepspeed.zero_stage=3"], 2, "deepspeed.zero_stage=3 needs parallel.tp=1"),
     (["parallel.pp=2", "deepspeed.zero_stage=2"], 2, "cannot be combined with parallel.pp=2"),
-    (["parallel.pp=2"], 2, "pipeline parallelism is not available yet"),
+    (["parallel.pp=2"], 2, "parallel.pp=2 needs deepspeed.zero_stage=1"),
 ])
 def test_wrong_layout_is_refused_quickly(tmp_path, args, procs, needle):
     launcher = None

@@ -16,6 +16,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from grt_megatron.model.config import GRTConfig
+from grt_megatron.model.init import piece_rng
 from grt_megatron.model.specs import get_grt_block_spec, get_norm_spec
 
 
@@ -24,30 +25,54 @@ def causal_attention_mask(seq_len: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-class GRTLanguageModel(MegatronModule):
-    def __init__(self, config: GRTConfig):
-        super().__init__(config=config)
-        self.config: GRTConfig = config
-        self.embedding = LanguageModelEmbedding(
+def build_embedding(config: GRTConfig, init_seed: int) -> LanguageModelEmbedding:
+    with piece_rng(init_seed, "embedding"):
+        return LanguageModelEmbedding(
             config=config,
             vocab_size=config.padded_vocab_size,
             max_sequence_length=config.max_sequence_length,
             position_embedding_type="rope" if config.position_embedding == "rope" else "learned_absolute",
         )
-        self.rotary_pos_emb = None
-        if config.position_embedding == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=config.rotary_base,
-                use_cpu_initialization=config.use_cpu_initialization,
-            )
-        self.block = build_module(get_grt_block_spec(config), config=config)
-        self.final_norm = build_module(
-            get_norm_spec(), config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
-        )
-        self.output_layer = tensor_parallel.ColumnParallelLinear(
+
+
+def build_rotary(config: GRTConfig) -> Optional[RotaryEmbedding]:
+    if config.position_embedding != "rope":
+        return None
+    return RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=config.rotary_base,
+                           use_cpu_initialization=config.use_cpu_initialization)
+
+
+def build_final_norm(config: GRTConfig, init_seed: int) -> torch.nn.Module:
+    with piece_rng(init_seed, "final_norm"):
+        return build_module(get_norm_spec(), config=config, hidden_size=config.hidden_size,
+                            eps=config.layernorm_epsilon)
+
+
+def build_output_layer(config: GRTConfig, init_seed: int, tied: bool) -> tensor_parallel.ColumnParallelLinear:
+    """The LM head; with `tied` it owns no weight and is called with the embedding's."""
+    with piece_rng(init_seed, "output_layer"):
+        return tensor_parallel.ColumnParallelLinear(
             config.hidden_size, config.padded_vocab_size, config=config, init_method=config.init_method,
-            bias=False, gather_output=False, skip_weight_param_allocation=config.tie_embeddings,
+            bias=False, gather_output=False, skip_weight_param_allocation=tied,
         )
+
+
+def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """logits [s, b, V/TP], labels [b, s] -> per-token loss [b, s] (fp32)."""
+    loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+    return loss.transpose(0, 1).contiguous()
+
+
+class GRTLanguageModel(MegatronModule):
+    def __init__(self, config: GRTConfig, init_seed: int = 0):
+        """`init_seed` decides the initial weights, piece by piece (see model/init.py)."""
+        super().__init__(config=config)
+        self.config: GRTConfig = config
+        self.embedding = build_embedding(config, init_seed)
+        self.rotary_pos_emb = build_rotary(config)
+        self.block = build_module(get_grt_block_spec(config), config=config, init_seed=init_seed)
+        self.final_norm = build_final_norm(config, init_seed)
+        self.output_layer = build_output_layer(config, init_seed, tied=config.tie_embeddings)
 
     def _output_weight(self) -> Optional[torch.Tensor]:
         return self.embedding.word_embeddings.weight if self.config.tie_embeddings else None
@@ -76,7 +101,6 @@ class GRTLanguageModel(MegatronModule):
         hidden = self.final_norm(hidden)
         logits, _ = self.output_layer(hidden, weight=self._output_weight())
         if labels is not None:
-            loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
-            return loss.transpose(0, 1).contiguous()
+            return vocab_parallel_loss(logits, labels)
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         return logits[..., : self.config.vocab_size].transpose(0, 1).contiguous()

@@ -32,6 +32,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from grt_megatron.model.config import GRTConfig
+from grt_megatron.model.init import piece_rng
 
 
 @dataclass
@@ -51,37 +52,53 @@ class GatedRecurrentBlockSubmodules:
 class GatedRecurrentBlock(MegatronModule):
     """Prelude → R × (inject, core, gate) → coda, built from a `ModuleSpec` like megatron's TransformerBlock."""
 
-    def __init__(self, config: GRTConfig, submodules: GatedRecurrentBlockSubmodules):
+    PIECES = ("prelude", "core", "coda")
+
+    def __init__(self, config: GRTConfig, submodules: GatedRecurrentBlockSubmodules,
+                 pieces: Sequence[str] = PIECES, init_seed: int = 0, only_layers: Optional[Sequence[int]] = None):
+        """`pieces` (and `only_layers`, global layer indices) select what this module builds: a pipeline
+        unit builds a part. Layers it does not own are `Identity` placeholders, so every layer keeps its
+        global index and parameter name."""
         super().__init__(config=config)
         self.config: GRTConfig = config
         d = config.hidden_size
         self.num_prelude, self.num_core = config.prelude_layers, config.core_layers
-        # Layer numbers are 1-based and unique, as megatron-core expects.
+        self.pieces = tuple(pieces)
+        owned = self._layer_indices(self.pieces)
+        if only_layers is not None:
+            owned &= set(only_layers)
+
+        def layer(i):
+            # Layer numbers are 1-based and unique, as megatron-core expects.
+            with piece_rng(init_seed, f"layer.{i}"):
+                return build_module(submodules.layer, config=config, layer_number=i + 1)
+
         self.layers = torch.nn.ModuleList(
-            build_module(submodules.layer, config=config, layer_number=i + 1)
-            for i in range(config.num_layers)
-        )
+            layer(i) if i in owned else torch.nn.Identity() for i in range(config.num_layers))
         self.injection = None
-        if config.injection == "concat_project":
+        if config.injection == "concat_project" and "core" in self.pieces:
             # Without SP the row-parallel linear splits [h, h_pre] over TP ranks itself; with SP its input
             # is prepared by `_inject` (sequence gathered, hidden split) and its output reduce-scattered.
-            self.injection = build_module(
-                submodules.injection, 2 * d, d, config=config, init_method=config.init_method,
-                bias=False, input_is_parallel=config.sequence_parallel, skip_bias_add=False, is_expert=False,
-            )
+            with piece_rng(init_seed, "injection"):
+                self.injection = build_module(
+                    submodules.injection, 2 * d, d, config=config, init_method=config.init_method,
+                    bias=False, input_is_parallel=config.sequence_parallel, skip_bias_add=False,
+                    is_expert=False,
+                )
         self.gate_fc1 = self.gate_fc2 = None
-        if config.gate == "mlp":
+        if config.gate == "mlp" and "core" in self.pieces:
             norm = dict(config=config, hidden_size=d, eps=config.layernorm_epsilon)
-            self.gate_norm_state = build_module(submodules.gate_norm, **norm)
-            self.gate_norm_prelude = build_module(submodules.gate_norm, **norm)
-            self.gate_fc1 = build_module(
-                submodules.gate_fc1, 2 * d, d, config=config, init_method=config.init_method,
-                bias=True, gather_output=False, skip_bias_add=False, is_expert=False,
-            )
-            self.gate_fc2 = build_module(
-                submodules.gate_fc2, d, d, config=config, init_method=config.init_method,
-                bias=True, input_is_parallel=True, skip_bias_add=False, is_expert=False,
-            )
+            with piece_rng(init_seed, "gate"):
+                self.gate_norm_state = build_module(submodules.gate_norm, **norm)
+                self.gate_norm_prelude = build_module(submodules.gate_norm, **norm)
+                self.gate_fc1 = build_module(
+                    submodules.gate_fc1, 2 * d, d, config=config, init_method=config.init_method,
+                    bias=True, gather_output=False, skip_bias_add=False, is_expert=False,
+                )
+                self.gate_fc2 = build_module(
+                    submodules.gate_fc2, d, d, config=config, init_method=config.init_method,
+                    bias=True, input_is_parallel=True, skip_bias_add=False, is_expert=False,
+                )
             with torch.no_grad():
                 self.gate_fc2.bias.fill_(config.gate_bias_init)
         self.step_stats: Optional[list[dict[str, float]]] = None
@@ -89,6 +106,14 @@ class GatedRecurrentBlock(MegatronModule):
         ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ (diagnostics: does the gate learn, does the state still move)."""
 
     # ---- the pieces (a pipeline stage runs a subset of them) -------------------------------------
+    def _layer_indices(self, pieces: Sequence[str]) -> set[int]:
+        unknown = set(pieces) - set(self.PIECES)
+        if unknown:
+            raise ValueError(f"unknown block pieces {sorted(unknown)}; known: {self.PIECES}")
+        p, k, n = self.num_prelude, self.num_core, self.config.num_layers
+        ranges = {"prelude": range(0, p), "core": range(p, p + k), "coda": range(p + k, n)}
+        return {i for piece in pieces for i in ranges[piece]}
+
     @property
     def prelude(self):
         return self.layers[: self.num_prelude]

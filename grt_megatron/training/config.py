@@ -121,7 +121,8 @@ class RunConfig:
             recipe,
             precision=self.train.precision,
             tensor_model_parallel_size=self.parallel.tp,
-            pipeline_model_parallel_size=self.parallel.pp,
+            # Pipeline stages are DeepSpeed's (parallel/pipeline.py); megatron's own pipeline settings
+            # stay at 1 so its layers keep their global layer numbers.
             sequence_parallel=self.parallel.sp,
         )
 

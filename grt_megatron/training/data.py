@@ -40,10 +40,9 @@ def sample_noise_seeds(seed: int, iteration: int, rows: range) -> list[int]:
             for row in rows]
 
 
-def on_main_rank_first(info: DistributedInfo, work, everywhere: bool = False):
-    """Run `work()` on rank 0 (then on the other ranks too if `everywhere`), with its outcome shared: if
-    rank 0 fails with a DataError/ConfigError, every rank raises it, instead of the others waiting forever
-    at the next collective."""
+def on_main_rank(info: DistributedInfo, work):
+    """Run `work()` on rank 0 only, with its outcome shared: if rank 0 fails with a DataError/ConfigError,
+    every rank raises it, instead of the others waiting forever at the next collective."""
     result, failure = None, None
     if info.is_main:
         try:
@@ -55,8 +54,6 @@ def on_main_rank_first(info: DistributedInfo, work, everywhere: bool = False):
     if box[0] is not None:
         is_config, message = box[0]
         raise (ConfigError if is_config else DataError)(message)
-    if everywhere and not info.is_main:
-        result = work()
     return result
 
 
@@ -74,7 +71,7 @@ def _resolve_tokenizer_and_prefixes(cfg: RunConfig, run_dir: Path, info: Distrib
             )
             print(f"prepared {summary.line()}", flush=True)
 
-        on_main_rank_first(info, prepare)
+        on_main_rank(info, prepare)
         prefixes = [str(prefix)]
     else:
         prefixes = list(d.prefixes)
@@ -97,9 +94,10 @@ def setup_training_data(cfg: RunConfig, run_dir: Path, info: DistributedInfo, se
         valid_samples=valid_samples, split=cfg.data.split,
         cache_dir=cfg.data.cache_dir or str(run_dir / "data" / "cache"),
     )
-    # Rank 0 builds megatron's index caches; the others then read them instead of racing to write.
-    datasets = on_main_rank_first(
-        info, lambda: build_gpt_datasets(prefixes, cfg.data.weights, tokenizer, **kwargs), everywhere=True)
+    # Called on every rank at once: megatron's builder itself builds the index caches on rank 0, waits at
+    # a barrier, then lets the other ranks read them. Our checks before it are deterministic, so a bad
+    # prefix fails on every rank alike.
+    datasets = build_gpt_datasets(prefixes, cfg.data.weights, tokenizer, **kwargs)
     if len(datasets.train) < kwargs["train_samples"]:
         raise DataError(f"the training split holds {len(datasets.train)} samples, fewer than the "
                         f"{kwargs['train_samples']} asked for")

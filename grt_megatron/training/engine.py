@@ -98,6 +98,8 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, dp_size: int, clip_in_d
     optimizer = None
     if t.optimizer == "torch":
         optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
+    # A PipelineModule brings its own process grid (from its topology); DeepSpeed refuses an mpu then.
+    pipelined = isinstance(model, deepspeed.pipe.PipelineModule)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
@@ -106,7 +108,7 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, dp_size: int, clip_in_d
         # DeepSpeed builds the schedule on its inner (unwrapped) optimizer and steps it once per
         # optimizer step, and saves it with its checkpoints.
         lr_scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(t, t.lr)),
-        mpu=MegatronMPU(),
+        mpu=None if pipelined else MegatronMPU(),
         dist_init_required=False,
     )
     return engine

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -19,7 +20,10 @@ from grt_megatron import __version__
 from grt_megatron.distributed import DistributedInfo, destroy_distributed, init_distributed
 from grt_megatron.generation import sample_text
 from grt_megatron.parallel import register_sequence_parallel_grad_hooks
-from grt_megatron.model import ConfigError, DepthSampler, GRTConfig, GRTLanguageModel, train_flops_per_token
+from grt_megatron.data import DataError
+from grt_megatron.model import (ConfigError, DepthSampler, GRTConfig, GRTLanguageModel, count_parameters,
+                                train_flops_per_token)
+from grt_megatron.parallel.pipeline import GRTPipelineModule
 from grt_megatron.training.config import RunConfig
 from grt_megatron.training.data import sample_noise_seeds, setup_training_data
 from grt_megatron.training.engine import MegatronMPU, batch_layout, build_engine
@@ -51,12 +55,18 @@ class Trainer:
         if self.seq_length > self.model_config.max_sequence_length:
             raise ConfigError(f"train.seq_length={self.seq_length} exceeds model.max_sequence_length="
                               f"{self.model_config.max_sequence_length}")
-        self.model = GRTLanguageModel(self.model_config)
+        self.pipelined = cfg.parallel.pp > 1
+        if self.pipelined:
+            deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+            self.model = GRTPipelineModule(self.model_config, cfg.seed, cfg.parallel.pp, self.info.dp_size)
+        else:
+            self.model = GRTLanguageModel(self.model_config, init_seed=cfg.seed)
         if self.model_config.sequence_parallel:
             register_sequence_parallel_grad_hooks(self.model)
         self.micro_batch, self.accumulation = batch_layout(cfg, self.info.dp_size)
         # Clipping with fp32 and no ZeRO is done here, because only then DeepSpeed does not report
         # the grad norm it computes; every other layout clips inside DeepSpeed's optimizer wrapper.
+        # (Pipelines need ZeRO >= 1, checked with the layout.)
         self.clip_here = cfg.deepspeed.zero_stage == 0 and cfg.train.precision == "fp32"
         self.engine = build_engine(self.model, cfg, self.info.dp_size, clip_in_deepspeed=not self.clip_here)
         self.sampler = DepthSampler.from_config(self.model_config, cfg.seed)
@@ -73,7 +83,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "model": self.model_config.to_dict(),
             "model_shape": self.model_config.shape_name,
-            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "parameters": count_parameters(self.model_config)["total"],
             "tokenizer": self.tokenizer.describe(),
             "data_prefixes": self.data.prefixes,
             "train_samples": len(self.data.datasets.train),
@@ -96,6 +106,17 @@ class Trainer:
         return float(value.item())
 
     # ---- steps --------------------------------------------------------------------------------
+    def _pipeline_micro_batches(self, rows: np.ndarray, seeds: list[int], depth: tuple[int, int]) -> list:
+        """((tokens, noise seeds, depth), labels) per micro-batch: what DeepSpeed's pipeline engine feeds
+        its first stage (the rest travels with the activations) and its last stage (labels)."""
+        out = []
+        for start in range(0, len(rows), self.micro_batch):
+            tokens, labels = self._to_device(rows[start : start + self.micro_batch])
+            extras = (torch.tensor(seeds[start : start + self.micro_batch], dtype=torch.int64),
+                      torch.tensor(depth, dtype=torch.int64))
+            out.append(((tokens, *extras), labels))
+        return out
+
     def train_step(self, iteration: int) -> dict:
         cfg = self.cfg
         draw = self.sampler.draw(iteration)
@@ -103,6 +124,14 @@ class Trainer:
         per_rank = self.micro_batch * self.accumulation
         first_row = self.info.dp_rank * per_rank
         rows = self.data.train_rows(iteration, cfg.train.global_batch_size, first_row, per_rank)
+        stats = {"lr": lr, "recurrences": draw.recurrences, "grad_recurrences": draw.grad_recurrences,
+                 "flops_per_token": train_flops_per_token(self.model_config, self.seq_length, draw)}
+        if self.pipelined:
+            seeds = sample_noise_seeds(cfg.seed, iteration, range(first_row, first_row + per_rank))
+            batches = self._pipeline_micro_batches(rows, seeds, (draw.recurrences, draw.grad_recurrences))
+            loss = self.engine.train_batch(data_iter=iter(batches))  # mean over micro-batches and DP
+            grad_norm = self.engine.get_global_grad_norm()
+            return {**stats, "loss": float(loss), "grad_norm": None if grad_norm is None else float(grad_norm)}
         total = torch.zeros((), dtype=torch.float32, device=self.info.device)
         grad_norm = None
         for m in range(self.accumulation):
@@ -118,19 +147,15 @@ class Trainer:
             total += loss.detach().float()
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
-        return {
-            "loss": self._dp_mean(total / self.accumulation),
-            "lr": lr,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
-            "recurrences": draw.recurrences,
-            "grad_recurrences": draw.grad_recurrences,
-            "flops_per_token": train_flops_per_token(self.model_config, self.seq_length, draw),
-        }
+        return {**stats, "loss": self._dp_mean(total / self.accumulation),
+                "grad_norm": None if grad_norm is None else float(grad_norm)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss per token at the configured R, noise off (eval mode), over the fixed
         validation windows; data-parallel ranks share the windows and sum their losses."""
+        if self.pipelined:
+            return self._evaluate_pipelined()
         self.engine.eval()
         mine = self.data.valid_rows[self.info.dp_rank :: self.info.dp_size]
         sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)  # loss sum, token count
@@ -142,6 +167,19 @@ class Trainer:
         if self.info.dp_size > 1:
             dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         return float(sums[0] / sums[1])
+
+    def _evaluate_pipelined(self) -> float:
+        # The pipeline runs whole micro-batches on every DP rank: use the largest such share of the set.
+        rows = self.data.valid_rows
+        per_rank = len(rows) // (self.info.dp_size * self.micro_batch) * self.micro_batch
+        if per_rank == 0:
+            raise DataError(f"the validation set ({len(rows)} samples) is smaller than one micro-batch per "
+                            "data-parallel rank")
+        mine = rows[self.info.dp_rank * per_rank : (self.info.dp_rank + 1) * per_rank]
+        r = self.model_config.recurrences
+        batches = self._pipeline_micro_batches(mine, [0] * len(mine), (r, r))
+        loss = self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))  # eval mode: no noise
+        return float(loss)
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -182,7 +220,7 @@ class Trainer:
                                    f"(R={self.model_config.recurrences})")
         seconds = time.perf_counter() - start
         sample = None
-        if cfg.train.sample_tokens > 0:
+        if cfg.train.sample_tokens > 0 and not self.pipelined:
             sample = sample_text(self.engine.module, self.tokenizer, cfg.train.sample_prompt,
                                  cfg.train.sample_tokens, seed=cfg.seed, device=self.info.device)
         return TrainResult(loss, valid, cfg.train.iters, seconds, sample)

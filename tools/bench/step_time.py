@@ -43,7 +43,7 @@ def make(model_recipe: str, batch: int, seed: int):
     run = build_run_config(cfg)
     model_cfg = run.model_config(VOCAB)
     torch.manual_seed(seed)
-    engine = build_engine(GRTLanguageModel(model_cfg), run, dp_size=1)
+    engine = build_engine(GRTLanguageModel(model_cfg, init_seed=seed), run, dp_size=1)
     return run, model_cfg, engine
 
 

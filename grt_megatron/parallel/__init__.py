@@ -40,8 +40,16 @@ def validate_layout(*, world_size: int, tp: int, pp: int, sp: bool, zero_stage: 
         raise ConfigError("deepspeed.zero_stage=3 needs parallel.tp=1 and parallel.pp=1 "
                           "(ZeRO 3 partitions parameters itself); use ZeRO 1 or 2 with tensor parallelism")
     if pp > 1:
-        raise ConfigError(f"parallel.pp={pp}: pipeline parallelism is not available yet in grt-megatron "
-                          "(use tensor and data parallelism)")
+        p, k, c = (int(model.get(f"{name}_layers", 1)) for name in ("prelude", "core", "coda"))
+        dense = model.get("recurrences", 1) == 1 and model.get("gate") == "none" and model.get("injection") == "none"
+        units = 3 + p + c + (k if dense else 1)  # embedding, final norm, head; the core is one unit
+        if pp > units:
+            raise ConfigError(f"parallel.pp={pp} stages but the model has only {units} pipeline units "
+                              "(embedding, prelude layers, the core, coda layers, final norm, head)")
+    if pp > 1 and zero_stage == 0:
+        raise ConfigError(f"parallel.pp={pp} needs deepspeed.zero_stage=1: with ZeRO 0, DeepSpeed's pipeline "
+                          "engine clips with a wrong gradient norm (tied and TP-replicated gradients "
+                          "miscounted) and reports none")
     if global_batch % (micro_batch * dp):
         raise ConfigError(f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size "
                           f"({micro_batch}) × data-parallel size ({dp} = {world_size} processes / tp {tp} / pp {pp})")

@@ -1,0 +1,63 @@
+"""Pipeline pieces without launching: stage partitioning and per-piece initialisation."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from grt_megatron.model import ConfigError, GRTLanguageModel
+from grt_megatron.model.recurrent_block import GatedRecurrentBlock
+from grt_megatron.parallel.pipeline import balanced_stage_starts, pipeline_units
+
+
+def test_balanced_stage_starts():
+    # embed, P0, core (K·R = 4), C0, norm, head
+    costs = [0, 1, 4, 1, 0, 0]
+    assert balanced_stage_starts(costs, 1) == [0]
+    starts = balanced_stage_starts(costs, 2)
+    assert starts in ([0, 2], [0, 3])  # the core never shares a stage with both prelude and coda
+    assert balanced_stage_starts(costs, 3) == [0, 2, 3]  # prelude | core | coda
+    assert balanced_stage_starts([1, 1, 1, 1], 4) == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="only 4 pipeline units"):
+        balanced_stage_starts([1, 1, 1, 1], 5)
+
+
+def test_units_keep_the_core_whole_and_split_dense(world):
+    grt = tiny_config(prelude_layers=2, core_layers=3, coda_layers=1, recurrences=4)
+    units, costs = pipeline_units(grt, init_seed=0)
+    assert costs == [0, 1, 1, 12, 1, 0, 0] and len(units) == len(costs)
+    dense = tiny_config(prelude_layers=0, core_layers=4, coda_layers=0, recurrences=1, gate="none",
+                        injection="none", noise_sigma=0.0)
+    assert pipeline_units(dense, init_seed=0)[1] == [0, 1, 1, 1, 1, 0, 0]
+
+
+def test_pieces_built_alone_have_the_full_models_weights(world):
+    """What lets a pipeline stage start from exactly the single-process weights."""
+    from grt_megatron.model.specs import get_grt_block_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    cfg = tiny_config(prelude_layers=1, core_layers=2, coda_layers=1)
+    full = GRTLanguageModel(cfg, init_seed=7).state_dict()
+    core = build_module(get_grt_block_spec(cfg), config=cfg, pieces=("core",), init_seed=7)
+    assert isinstance(core.layers[0], torch.nn.Identity) and isinstance(core.layers[3], torch.nn.Identity)
+    tensors = {k: v for k, v in core.state_dict().items() if isinstance(v, torch.Tensor)}  # not _extra_state
+    assert any(k.startswith("gate_fc1") for k in tensors) and any(k.startswith("layers.2.") for k in tensors)
+    for name, value in tensors.items():
+        assert torch.equal(value, full[f"block.{name}"]), name
+    one = build_module(get_grt_block_spec(cfg), config=cfg, pieces=("coda",), init_seed=7, only_layers=[3])
+    assert set(one.state_dict()) == {k[len("block."):] for k in full if k.startswith("block.layers.3.")}
+    assert not torch.equal(GRTLanguageModel(cfg, init_seed=8).state_dict()["block.layers.0.mlp.linear_fc1.weight"],
+                           full["block.layers.0.mlp.linear_fc1.weight"])
+    assert isinstance(GatedRecurrentBlock.PIECES, tuple)
+
+
+def test_layout_check_counts_pipeline_units():
+    from grt_megatron.parallel import validate_layout
+
+    model = dict(prelude_layers=1, core_layers=2, coda_layers=1, recurrences=4, gate="mlp", injection="add",
+                 num_attention_heads=4, hidden_size=64)
+    common = dict(tp=1, sp=False, zero_stage=1, seq_length=32, micro_batch=1, global_batch=8)
+    assert validate_layout(world_size=8, pp=4, model=model, **common) == 2  # 6 units: fine
+    with pytest.raises(ConfigError, match="parallel.pp=8 stages but the model has only 6 pipeline units"):
+        validate_layout(world_size=8, pp=8, model=model, **common)
+    dense = dict(model, prelude_layers=0, coda_layers=0, core_layers=6, recurrences=1, gate="none", injection="none")
+    assert validate_layout(world_size=8, pp=8, model=dense, **common) == 1  # dense layers are units each
