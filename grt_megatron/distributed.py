@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from grt_megatron.cpu_shims import apply_cpu_shims
+from grt_megatron.model.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -41,16 +42,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0) -> DistributedInfo:
-    """Start the process group (gloo on CPU, nccl on GPU) and megatron's parallel state; seed all RNGs.
+def _from_srun() -> bool:
+    """`srun` started us as one of several tasks, without torchrun in between."""
+    return "RANK" not in os.environ and "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
-    Without a launcher this is a world of one; DeepSpeed reads the same env variables we set here.
-    """
+
+def world_size_from_env() -> int:
+    """The world size the launcher set up: torchrun's WORLD_SIZE, srun's SLURM_NTASKS, else 1."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return int(os.environ["SLURM_NTASKS"]) if _from_srun() else 1
+
+
+def export_launcher_env() -> None:
+    """Set RANK / WORLD_SIZE / LOCAL_RANK (what torch.distributed and DeepSpeed read) from the launcher:
+    torchrun sets them itself; under `srun` they come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
+    (MASTER_ADDR and MASTER_PORT must then be exported by the batch script); without a launcher this is
+    a world of one on a free local port."""
+    if "RANK" in os.environ:
+        return
+    if _from_srun():
+        if "MASTER_ADDR" not in os.environ:
+            raise ConfigError("started by srun without torchrun: export MASTER_ADDR (the first host of "
+                              "`scontrol show hostnames $SLURM_JOB_NODELIST`) and MASTER_PORT")
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        os.environ.setdefault("MASTER_PORT", "29500")
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0) -> DistributedInfo:
+    """Start the process group (gloo on CPU, nccl on GPU) and megatron's parallel state; seed all RNGs."""
     apply_cpu_shims()
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    export_launcher_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():

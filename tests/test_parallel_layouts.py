@@ -37,6 +37,7 @@ LAYOUTS = [
     ("tiny", 2, ["deepspeed.zero_stage=2"]),
     ("tiny", 2, ["deepspeed.zero_stage=3"]),
     ("tiny", 4, ["parallel.tp=2", "deepspeed.zero_stage=1"]),
+    ("tiny", 4, ["parallel.tp=2", "deepspeed.zero_stage=2"]),
     ("tiny", 4, ["parallel.tp=2", "parallel.sp=true", "deepspeed.zero_stage=2"]),
     ("tiny_dense", 2, ["parallel.tp=2"]),
     ("tiny", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
@@ -95,3 +96,35 @@ def test_data_error_on_rank_0_stops_every_rank(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.count("grt-train: error: input '/no/such/corpus.txt': no such file") == 2
     assert time.perf_counter() - start < 60
+
+
+def test_srun_style_launch_without_torchrun(references, pydoc_prefix, tmp_path):
+    """One task per process as `srun --ntasks=2` starts them: rank and world come from SLURM_* variables."""
+    import os
+    import subprocess
+
+    from conftest import REPO
+
+    port = next(PORT)
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_API_KEY")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "grt_megatron.training.cli", *_common("tiny", pydoc_prefix[0]),
+             "deepspeed.zero_stage=1", f"run.dir={tmp_path}"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:]
+    for g, w in zip(read_jsonl(tmp_path / "metrics.jsonl"), references["tiny"]):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+    # Without MASTER_ADDR the tasks could not meet: refused with what to export.
+    env = dict(os.environ, SLURM_PROCID="0", SLURM_NTASKS="2")
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "grt_megatron.training.cli", *_common("tiny", pydoc_prefix[0]),
+                           f"run.dir={tmp_path / 'x'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "export MASTER_ADDR" in proc.stderr, proc.stderr[-2000:]

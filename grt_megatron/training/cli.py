@@ -52,7 +52,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     except (ConfigError, DataError) as err:
         _fail(str(err))
         return
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # set by the launcher, or by init_distributed
         print(f"done: {result.steps} steps in {result.seconds:.1f} s; final train loss "
               f"{result.final_train_loss:.4f}, valid loss {result.final_valid_loss:.4f}; "
               f"metrics in {Path(run_cfg.run.dir) / 'metrics.jsonl'}")

@@ -6,7 +6,6 @@ dataclass here, so a misspelt or mistyped key fails before anything is built, na
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -14,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grt_megatron.model.config import ConfigError, GRTConfig
+from grt_megatron.distributed import world_size_from_env
 from grt_megatron.parallel import validate_layout
 
 
@@ -171,7 +171,7 @@ def build_run_config(cfg: DictConfig | dict) -> RunConfig:
     # The layout and the model recipe are checked now: before any process group starts (a wrong layout
     # would hang it) and before any data is prepared (the vocabulary is known only later).
     validate_layout(
-        world_size=int(os.environ.get("WORLD_SIZE", "1")), tp=run.parallel.tp, pp=run.parallel.pp,
+        world_size=world_size_from_env(), tp=run.parallel.tp, pp=run.parallel.pp,
         sp=run.parallel.sp, zero_stage=run.deepspeed.zero_stage, model=run.model, seq_length=run.seq_length,
         micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
     )
