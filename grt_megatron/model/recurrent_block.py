@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel

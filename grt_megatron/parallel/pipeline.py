@@ -24,8 +24,14 @@ from megatron.core import parallel_state
 from megatron.core.transformer.spec_utils import build_module
 
 from grt_megatron.model.config import ConfigError, GRTConfig
-from grt_megatron.model.language_model import (build_embedding, build_final_norm, build_output_layer,
-                                               build_rotary, causal_attention_mask, vocab_parallel_loss)
+from grt_megatron.model.language_model import (
+    build_embedding,
+    build_final_norm,
+    build_output_layer,
+    build_rotary,
+    causal_attention_mask,
+    vocab_parallel_loss,
+)
 from grt_megatron.model.recurrent_block import StepInputs
 from grt_megatron.model.specs import get_grt_block_spec
 

@@ -12,8 +12,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from grt_megatron.model.config import ConfigError, GRTConfig
 from grt_megatron.distributed import world_size_from_env
+from grt_megatron.model.config import ConfigError, GRTConfig
 from grt_megatron.parallel import validate_layout
 
 

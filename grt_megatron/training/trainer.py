@@ -17,12 +17,18 @@ from megatron.core import parallel_state
 from tqdm import tqdm
 
 from grt_megatron import __version__
-from grt_megatron.distributed import DistributedInfo, destroy_distributed, init_distributed
-from grt_megatron.generation import sample_text
-from grt_megatron.parallel import register_sequence_parallel_grad_hooks
 from grt_megatron.data import DataError
-from grt_megatron.model import (ConfigError, DepthSampler, GRTConfig, GRTLanguageModel, count_parameters,
-                                train_flops_per_token)
+from grt_megatron.distributed import destroy_distributed, init_distributed
+from grt_megatron.generation import sample_text
+from grt_megatron.model import (
+    ConfigError,
+    DepthSampler,
+    GRTConfig,
+    GRTLanguageModel,
+    count_parameters,
+    train_flops_per_token,
+)
+from grt_megatron.parallel import register_sequence_parallel_grad_hooks
 from grt_megatron.parallel.pipeline import GRTPipelineModule
 from grt_megatron.training.config import RunConfig
 from grt_megatron.training.data import sample_noise_seeds, setup_training_data

@@ -25,7 +25,6 @@ quiet_known_warnings()
 
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.model import DepthDraw, GRTLanguageModel, count_parameters, train_flops_per_token  # noqa: E402
