@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PIP) install --quiet --disable-pip-version-check $(TORCH_SPEC)
 	$(PIP) install --quiet --disable-pip-version-check -e ".[dev]"
 	touch $@
 
