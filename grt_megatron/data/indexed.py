@@ -120,8 +120,7 @@ class IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None or not self._done:
-            self.abort()
+        self.abort()  # a no-op after commit
 
 
 def read_meta(prefix: str | os.PathLike) -> Optional[dict[str, Any]]:

@@ -76,6 +76,14 @@ class Trainer:
         self.clip_here = cfg.deepspeed.zero_stage == 0 and cfg.train.precision == "fp32"
         self.engine = build_engine(self.model, cfg, self.info.dp_size, clip_in_deepspeed=not self.clip_here)
         self.sampler = DepthSampler.from_config(self.model_config, cfg.seed)
+        if self.pipelined:
+            # The pipeline runs whole micro-batches on every DP rank: evaluation uses the largest such
+            # share of the validation set, checked now rather than at the first evaluation.
+            rows = len(self.data.valid_rows)
+            self.pipeline_eval_rows_per_rank = rows // (self.info.dp_size * self.micro_batch) * self.micro_batch
+            if self.pipeline_eval_rows_per_rank == 0:
+                raise DataError(f"the validation set ({rows} samples) is smaller than one micro-batch per "
+                                "data-parallel rank")
         self.logger = MetricsLogger(self.run_dir, self.info.is_main, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.run.name, cfg.to_dict())
         if self.info.is_main:
@@ -132,19 +140,18 @@ class Trainer:
         rows = self.data.train_rows(iteration, cfg.train.global_batch_size, first_row, per_rank)
         stats = {"lr": lr, "recurrences": draw.recurrences, "grad_recurrences": draw.grad_recurrences,
                  "flops_per_token": train_flops_per_token(self.model_config, self.seq_length, draw)}
+        seeds = sample_noise_seeds(cfg.seed, iteration, range(first_row, first_row + per_rank))
         if self.pipelined:
-            seeds = sample_noise_seeds(cfg.seed, iteration, range(first_row, first_row + per_rank))
             batches = self._pipeline_micro_batches(rows, seeds, (draw.recurrences, draw.grad_recurrences))
             loss = self.engine.train_batch(data_iter=iter(batches))  # mean over micro-batches and DP
             grad_norm = self.engine.get_global_grad_norm()
             return {**stats, "loss": float(loss), "grad_norm": None if grad_norm is None else float(grad_norm)}
         total = torch.zeros((), dtype=torch.float32, device=self.info.device)
         grad_norm = None
-        for m in range(self.accumulation):
-            start = first_row + m * self.micro_batch
-            tokens, labels = self._to_device(rows[m * self.micro_batch : (m + 1) * self.micro_batch])
-            seeds = sample_noise_seeds(cfg.seed, iteration, range(start, start + self.micro_batch))
-            loss = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences, seeds).mean()
+        for start in range(0, per_rank, self.micro_batch):
+            tokens, labels = self._to_device(rows[start : start + self.micro_batch])
+            loss = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences,
+                               seeds[start : start + self.micro_batch]).mean()
             self.engine.backward(loss)
             if self.clip_here and self.engine.is_gradient_accumulation_boundary():
                 grad_norm = float(clip_grad_norm_(list(self.engine.module.parameters()),
@@ -175,13 +182,8 @@ class Trainer:
         return float(sums[0] / sums[1])
 
     def _evaluate_pipelined(self) -> float:
-        # The pipeline runs whole micro-batches on every DP rank: use the largest such share of the set.
-        rows = self.data.valid_rows
-        per_rank = len(rows) // (self.info.dp_size * self.micro_batch) * self.micro_batch
-        if per_rank == 0:
-            raise DataError(f"the validation set ({len(rows)} samples) is smaller than one micro-batch per "
-                            "data-parallel rank")
-        mine = rows[self.info.dp_rank * per_rank : (self.info.dp_rank + 1) * per_rank]
+        per_rank = self.pipeline_eval_rows_per_rank
+        mine = self.data.valid_rows[self.info.dp_rank * per_rank : (self.info.dp_rank + 1) * per_rank]
         r = self.model_config.recurrences
         batches = self._pipeline_micro_batches(mine, [0] * len(mine), (r, r))
         loss = self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))  # eval mode: no noise
