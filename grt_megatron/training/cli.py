@@ -41,6 +41,7 @@ def _fail(message: str) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
+    from grt_megatron.checkpoint import CheckpointError
     from grt_megatron.data import DataError
     from grt_megatron.model import ConfigError
     from grt_megatron.training.config import build_run_config
@@ -49,10 +50,15 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         run_cfg = build_run_config(cfg)
         result = run_training(run_cfg)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, CheckpointError) as err:
         _fail(str(err))
         return
-    if int(os.environ.get("RANK", "0")) == 0:  # set by the launcher, or by init_distributed
+    if int(os.environ.get("RANK", "0")) != 0:  # set by the launcher, or by init_distributed
+        return
+    if result.stopped_by:
+        print(f"stopped by {result.stopped_by} at step {result.steps}: checkpoint {result.checkpoint} saved; "
+              "exiting 0 so the scheduler can requeue (resume=auto continues)")
+    else:
         print(f"done: {result.steps} steps in {result.seconds:.1f} s; final train loss "
               f"{result.final_train_loss:.4f}, valid loss {result.final_valid_loss:.4f}; "
               f"metrics in {Path(run_cfg.run.dir) / 'metrics.jsonl'}")

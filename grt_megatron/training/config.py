@@ -94,6 +94,19 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    interval: int = 0
+    """Save every this many steps (0: only at the end and when SIGUSR1/SIGTERM asks)."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted unless permanent."""
+    keep_every: Optional[int] = None
+    """Checkpoints at multiples of this step are permanent (never pruned)."""
+    save_at_end: bool = True
+    dir: Optional[str] = None
+    """Default `{run.dir}/checkpoints`."""
+
+
+@dataclass
 class RunDirConfig:
     dir: str = "runs/default"
     name: Optional[str] = None
@@ -108,7 +121,10 @@ class RunConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunDirConfig = field(default_factory=RunDirConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1234
+    resume: Optional[str] = None
+    """`auto` (the newest complete checkpoint of run.dir, if any) or a checkpoint / run directory."""
 
     def model_config(self, vocab_size: int) -> GRTConfig:
         recipe = dict(self.model)
@@ -166,6 +182,10 @@ def build_run_config(cfg: DictConfig | dict) -> RunConfig:
     for key in ("iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_interval", "eval_iters"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    c = run.checkpoint
+    if c.interval < 0 or c.keep_last < 1 or (c.keep_every is not None and c.keep_every < 1):
+        raise ConfigError(f"checkpoint.interval must be >= 0 and checkpoint.keep_last / keep_every >= 1, got "
+                          f"interval={c.interval}, keep_last={c.keep_last}, keep_every={c.keep_every}")
     if run.deepspeed.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"deepspeed.zero_stage={run.deepspeed.zero_stage} is not one of 0, 1, 2, 3")
     # The layout and the model recipe are checked now: before any process group starts (a wrong layout

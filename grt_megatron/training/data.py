@@ -57,10 +57,15 @@ def on_main_rank(info: DistributedInfo, work):
     return result
 
 
-def _resolve_tokenizer_and_prefixes(cfg: RunConfig, run_dir: Path, info: DistributedInfo):
+def _resolve_tokenizer_and_prefixes(cfg: RunConfig, run_dir: Path, info: DistributedInfo, resuming: bool):
     d = cfg.data
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None
-    if d.source:
+    if d.source and resuming and Path(f"{run_dir / 'data' / 'corpus'}.idx").is_file():
+        # A resumed run reads the corpus it prepared at its start (re-preparing could train another
+        # tokenizer); it is verified like any prefix.
+        prefixes = [str(run_dir / "data" / "corpus")]
+        verify_prefix(prefixes[0])
+    elif d.source:
         prefix = run_dir / "data" / "corpus"
 
         def prepare():
@@ -85,12 +90,18 @@ def _resolve_tokenizer_and_prefixes(cfg: RunConfig, run_dir: Path, info: Distrib
     return tokenizer, prefixes
 
 
-def setup_training_data(cfg: RunConfig, run_dir: Path, info: DistributedInfo, seq_length: int) -> TrainingData:
-    tokenizer, prefixes = _resolve_tokenizer_and_prefixes(cfg, run_dir, info)
+def default_train_samples(cfg: RunConfig) -> int:
+    return cfg.data.train_samples or cfg.train.iters * cfg.train.global_batch_size
+
+
+def setup_training_data(cfg: RunConfig, run_dir: Path, info: DistributedInfo, seq_length: int,
+                        train_samples: int, resuming: bool = False) -> TrainingData:
+    """`train_samples`: length of the training sample stream (its order depends on it)."""
+    tokenizer, prefixes = _resolve_tokenizer_and_prefixes(cfg, run_dir, info, resuming)
     g = cfg.train.global_batch_size
     valid_samples = cfg.train.eval_iters * g
     kwargs = dict(
-        seq_length=seq_length, seed=cfg.seed, train_samples=cfg.data.train_samples or cfg.train.iters * g,
+        seq_length=seq_length, seed=cfg.seed, train_samples=train_samples,
         valid_samples=valid_samples, split=cfg.data.split,
         cache_dir=cfg.data.cache_dir or str(run_dir / "data" / "cache"),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,16 @@ from megatron.core import parallel_state
 from tqdm import tqdm
 
 from grt_megatron import __version__
+from grt_megatron.checkpoint import (
+    CheckpointError,
+    compare_configs,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+    supersede_newer,
+)
 from grt_megatron.data import DataError
-from grt_megatron.distributed import destroy_distributed, init_distributed
+from grt_megatron.distributed import destroy_distributed, init_distributed, seed_everything
 from grt_megatron.generation import sample_text
 from grt_megatron.model import (
     ConfigError,
@@ -31,7 +40,7 @@ from grt_megatron.model import (
 from grt_megatron.parallel import register_sequence_parallel_grad_hooks
 from grt_megatron.parallel.pipeline import GRTPipelineModule
 from grt_megatron.training.config import RunConfig
-from grt_megatron.training.data import sample_noise_seeds, setup_training_data
+from grt_megatron.training.data import default_train_samples, on_main_rank, sample_noise_seeds, setup_training_data
 from grt_megatron.training.engine import MegatronMPU, batch_layout, build_engine
 from grt_megatron.training.metrics import MetricsLogger
 
@@ -43,20 +52,56 @@ class TrainResult:
     steps: int
     seconds: float
     sample: Optional[str]
+    start_step: int = 0
+    stopped_by: Optional[str] = None
+    """The signal that ended training early (after a checkpoint), if any."""
+    checkpoint: Optional[Path] = None
+
+
+def check_resume(saved: dict, cfg: RunConfig, announce: bool) -> int:
+    """Refuse config changes a run cannot continue through (listing them); list those applied.
+    Returns the length of the training sample stream to rebuild (the data order depends on it)."""
+    before, after = json.loads(json.dumps(saved["config"])), cfg.to_dict()
+    before["train"]["seq_length"], after["train"]["seq_length"] = saved["seq_length"], cfg.seq_length
+    refused, applied = compare_configs(before, after)
+    samples = int(saved["train_samples"])
+    if cfg.data.train_samples is not None and cfg.data.train_samples != samples:
+        refused.append(f"data.train_samples: {samples} -> {cfg.data.train_samples} (the data order depends on it)")
+    needed = cfg.train.iters * cfg.train.global_batch_size
+    if needed > samples:
+        refused.append(f"train.iters={cfg.train.iters} needs {needed} training samples, but the run's data order "
+                       f"was built for {samples} (data.train_samples: set it large enough when starting a run "
+                       "you may extend)")
+    if refused:
+        raise ConfigError("resume: the checkpoint's run cannot continue with these changes:\n  " + "\n  ".join(refused))
+    if applied and announce:
+        print("resume: applying changed settings:\n  " + "\n  ".join(applied), flush=True)
+    return samples
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
-        if (self.run_dir / "metrics.jsonl").exists():
-            raise ConfigError(f"run.dir={str(self.run_dir)!r} already holds a run (metrics.jsonl); "
-                              "choose a new run.dir")
+        self.checkpoint_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        if (self.run_dir / "metrics.jsonl").exists() and cfg.resume is None:
+            raise ConfigError(f"run.dir={str(self.run_dir)!r} already holds a run (metrics.jsonl): pass "
+                              "resume=auto to continue it, or choose a new run.dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
         self.seq_length = cfg.seq_length
-        self.data = setup_training_data(cfg, self.run_dir, self.info, self.seq_length)
+        self.resume_path, self.saved = self._select_checkpoint()
+        train_samples = default_train_samples(cfg)
+        if self.saved is not None:
+            train_samples = check_resume(self.saved, cfg, self.info.is_main)
+        self.data = setup_training_data(cfg, self.run_dir, self.info, self.seq_length, train_samples,
+                                        resuming=self.saved is not None)
+        self.train_samples = train_samples
         self.tokenizer = self.data.tokenizer
+        if self.saved is not None and self.saved["tokenizer"]["sha256"] != self.tokenizer.identity:
+            raise ConfigError(f"resume: {self.resume_path} was trained with tokenizer {self.saved['tokenizer']['source']} "
+                              f"(sha256 {self.saved['tokenizer']['sha256'][:12]}), this run has "
+                              f"{self.tokenizer.source} (sha256 {self.tokenizer.identity[:12]})")
         self.model_config: GRTConfig = cfg.model_config(self.tokenizer.vocab_size)
         if self.seq_length > self.model_config.max_sequence_length:
             raise ConfigError(f"train.seq_length={self.seq_length} exceeds model.max_sequence_length="
@@ -84,11 +129,104 @@ class Trainer:
             if self.pipeline_eval_rows_per_rank == 0:
                 raise DataError(f"the validation set ({rows} samples) is smaller than one micro-batch per "
                                 "data-parallel rank")
+        self.start_step = self.last_saved = 0
+        if self.resume_path is not None:
+            self._resume()
+        self.last_step = self.start_step
         self.logger = MetricsLogger(self.run_dir, self.info.is_main, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.run.name, cfg.to_dict())
         if self.info.is_main:
             self._write_run_info()
             self.tokenizer.save(self.run_dir / self.tokenizer.file_name)
+        self._stop_signal: Optional[int] = None
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _select_checkpoint(self) -> tuple[Optional[Path], Optional[dict]]:
+        """Rank 0 picks and verifies the checkpoint to resume from; every rank gets its choice."""
+        spec = self.cfg.resume
+        if spec is None:
+            return None, None
+
+        def pick():
+            try:
+                found, skipped = resolve_checkpoint(spec, self.checkpoint_root)
+            except CheckpointError as err:
+                raise ConfigError(str(err)) from None
+            for s in skipped:
+                print(f"resume: skipping {s.path} ({s.problem})", flush=True)
+            if found is None:
+                print(f"resume={spec}: no checkpoint in {self.checkpoint_root}; starting from step 0", flush=True)
+                return None
+            return str(found.path), found.state
+
+        box = [on_main_rank(self.info, pick)]
+        dist.broadcast_object_list(box, src=0)
+        return (None, None) if box[0] is None else (Path(box[0][0]), box[0][1])
+
+    def _layout(self) -> dict:
+        c = self.cfg
+        return {"world_size": self.info.world_size, "tp": c.parallel.tp, "pp": c.parallel.pp, "dp": self.info.dp_size,
+                "sp": c.parallel.sp, "zero_stage": c.deepspeed.zero_stage, "precision": c.train.precision}
+
+    def _resume(self) -> None:
+        saved, path = self.saved, self.resume_path
+        layout = saved["layout"]
+        same_layout = all(layout[k] == v for k, v in self._layout().items() if k in ("world_size", "tp", "pp"))
+        try:
+            load_checkpoint(path, self.engine, self.pipelined, self.model_config.padded_vocab_size,
+                            restore_rngs=same_layout)
+        except CheckpointError as err:
+            raise ConfigError(str(err)) from None
+        self.start_step = self.last_saved = int(saved["step"])
+        if not same_layout:
+            seed_everything(self.cfg.seed + self.start_step)  # per-rank states do not map onto other ranks
+        if self.info.is_main:
+            note = "" if same_layout else (f"; saved with tp={layout['tp']} pp={layout['pp']} on {layout['world_size']} "
+                                           "processes, resharded, RNG states reseeded")
+            print(f"resumed from {path} at step {self.start_step} ({saved['tokens']} tokens){note}", flush=True)
+            self._truncate_metrics(self.start_step)
+            if path.parent.resolve() == self.checkpoint_root.resolve():
+                for moved in supersede_newer(self.checkpoint_root, self.start_step):
+                    print(f"resume: moved newer checkpoint aside (abandoned timeline): {moved}", flush=True)
+        dist.barrier()
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metrics logged after the checkpoint's step: the resumed run logs those steps again."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+
+    def save(self, step: int, reason: str) -> Path:
+        c = self.cfg
+        g = c.train.global_batch_size
+        state = {
+            "version": __version__, "step": step, "consumed_samples": step * g, "tokens": step * g * self.seq_length,
+            "train_samples": self.train_samples, "seq_length": self.seq_length, "layout": self._layout(),
+            "config": c.to_dict(), "model": self.model_config.to_dict(), "model_shape": self.model_config.shape_name,
+            "tokenizer": self.tokenizer.describe(), "data_prefixes": self.data.prefixes, "reason": reason,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        permanent = bool(c.checkpoint.keep_every and step % c.checkpoint.keep_every == 0)
+        path = save_checkpoint(self.checkpoint_root, step, self.engine, self.pipelined, self.tokenizer, state,
+                               c.checkpoint.keep_last, permanent)
+        self.last_saved = step
+        if self.info.is_main:
+            tqdm.write(f"step {step}: saved checkpoint {path} ({reason})")
+        return path
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_signal = signum
+
+    def _stop_requested(self) -> Optional[str]:
+        """The signal any rank received (all ranks agree, so they stop at the same step)."""
+        flag = torch.tensor([self._stop_signal or 0], dtype=torch.int64)
+        if self.info.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return signal.Signals(int(flag.item())).name if flag.item() else None
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def _write_run_info(self) -> None:
@@ -194,44 +332,68 @@ class Trainer:
         cfg = self.cfg
         tokens_per_step = cfg.train.global_batch_size * self.seq_length
         start = time.perf_counter()
-        progress = tqdm(range(cfg.train.iters), desc="train", unit="step", dynamic_ncols=True,
+        progress = tqdm(range(self.start_step, cfg.train.iters), desc="train", unit="step", dynamic_ncols=True,
+                        initial=self.start_step, total=cfg.train.iters,
                         disable=not (self.info.is_main and cfg.logging.progress))
-        loss, valid = float("nan"), float("nan")
-        for iteration in progress:
-            step_start = time.perf_counter()
-            stats = self.train_step(iteration)
-            seconds = time.perf_counter() - step_start
-            step = iteration + 1
-            loss = stats["loss"]
-            record = {
-                "step": step,
-                "loss": loss,
-                "grad_norm": stats["grad_norm"],
-                "lr": stats["lr"],
-                "recurrences": stats["recurrences"],
-                "grad_recurrences": stats["grad_recurrences"],
-                "tokens": step * tokens_per_step,
-                "step_seconds": seconds,
-                "tokens_per_s": tokens_per_step / seconds,
-                "flops_per_s": stats["flops_per_token"] * tokens_per_step / seconds,
-            }
-            if step % cfg.train.log_interval == 0 or step == cfg.train.iters:
-                self.logger.log(record)
-            progress.set_postfix(loss=f"{loss:.3f}", R=stats["recurrences"], refresh=False)
-            if step % cfg.train.eval_interval == 0 or step == cfg.train.iters:
-                valid = self.evaluate()
-                self.logger.log({"step": step, "split": "valid", "loss": valid,
-                                 "perplexity": float(np.exp(min(valid, 50.0))),
-                                 "recurrences": self.model_config.recurrences})
-                if self.info.is_main:
-                    progress.write(f"step {step}: train loss {loss:.4f}, valid loss {valid:.4f} "
-                                   f"(R={self.model_config.recurrences})")
+        # SIGUSR1 (SLURM's warning before the time limit) and SIGTERM (preemption): finish the step,
+        # save, and return so that the process exits 0 and the scheduler can requeue it.
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+        loss, valid, stopped_by, checkpoint = float("nan"), float("nan"), None, None
+        try:
+            for iteration in progress:
+                step = iteration + 1
+                loss, valid = self._run_step(iteration, tokens_per_step, progress, valid)
+                every = cfg.checkpoint.interval
+                if every and step % every == 0:
+                    checkpoint = self.save(step, "interval")
+                stopped_by = self._stop_requested()
+                if stopped_by:
+                    if self.last_saved != step:
+                        checkpoint = self.save(step, stopped_by)
+                    break
+            if not stopped_by and cfg.checkpoint.save_at_end and self.last_saved != cfg.train.iters:
+                checkpoint = self.save(cfg.train.iters, "end")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         seconds = time.perf_counter() - start
         sample = None
-        if cfg.train.sample_tokens > 0 and not self.pipelined:
+        if cfg.train.sample_tokens > 0 and not self.pipelined and not stopped_by:
             sample = sample_text(self.engine.module, self.tokenizer, cfg.train.sample_prompt,
                                  cfg.train.sample_tokens, seed=cfg.seed, device=self.info.device)
-        return TrainResult(loss, valid, cfg.train.iters, seconds, sample)
+        return TrainResult(loss, valid, self.last_step, seconds, sample, self.start_step, stopped_by, checkpoint)
+
+    def _run_step(self, iteration: int, tokens_per_step: int, progress, valid: float) -> tuple[float, float]:
+        cfg = self.cfg
+        step_start = time.perf_counter()
+        stats = self.train_step(iteration)
+        seconds = time.perf_counter() - step_start
+        step = self.last_step = iteration + 1
+        loss = stats["loss"]
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": stats["grad_norm"],
+            "lr": stats["lr"],
+            "recurrences": stats["recurrences"],
+            "grad_recurrences": stats["grad_recurrences"],
+            "tokens": step * tokens_per_step,
+            "step_seconds": seconds,
+            "tokens_per_s": tokens_per_step / seconds,
+            "flops_per_s": stats["flops_per_token"] * tokens_per_step / seconds,
+        }
+        if step % cfg.train.log_interval == 0 or step == cfg.train.iters:
+            self.logger.log(record)
+        progress.set_postfix(loss=f"{loss:.3f}", R=stats["recurrences"], refresh=False)
+        if step % cfg.train.eval_interval == 0 or step == cfg.train.iters:
+            valid = self.evaluate()
+            self.logger.log({"step": step, "split": "valid", "loss": valid,
+                             "perplexity": float(np.exp(min(valid, 50.0))),
+                             "recurrences": self.model_config.recurrences})
+            if self.info.is_main:
+                progress.write(f"step {step}: train loss {loss:.4f}, valid loss {valid:.4f} "
+                               f"(R={self.model_config.recurrences})")
+        return loss, valid
 
     def close(self) -> None:
         self.logger.close()

@@ -1,0 +1,50 @@
+"""What may change when a run resumes: a saved configuration against the new one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Changes a run cannot continue through, with why. Everything else (steps, LR schedule, logging,
+# intervals, layout: TP/PP/DP/ZeRO, precision, micro-batch size) is applied and listed.
+REFUSED = {
+    "model": "the model's shape and math",
+    "seed": "weights' noise, depth draws and the data order are keyed by the seed",
+    "train.seq_length": "the sequence length fixes the data's samples and positions",
+    "train.global_batch_size": "the data position is step × global batch size",
+    "train.optimizer": "the optimizer's state is AdamW's; another implementation would not continue it",
+    "data.source": "the data", "data.prefixes": "the data", "data.weights": "the data order",
+    "data.split": "the data order", "data.tokenizer": "the tokenizer",
+}
+IGNORED = ("resume", "run.dir")
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def _reason(key: str) -> str | None:
+    for refused, why in REFUSED.items():
+        if key == refused or key.startswith(refused + "."):
+            return why
+    return None
+
+
+def compare_configs(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(refused changes, applied changes), one line each: `key: old -> new (why)`."""
+    before, after = _flatten(saved), _flatten(new)
+    refused, applied = [], []
+    for key in sorted(set(before) | set(after)):
+        if key in IGNORED or key.startswith("data.train_samples"):
+            continue
+        old, now = before.get(key, "<unset>"), after.get(key, "<unset>")
+        if old == now:
+            continue
+        why = _reason(key)
+        line = f"{key}: {old!r} -> {now!r}"
+        (refused if why else applied).append(f"{line} ({why})" if why else line)
+    return refused, applied

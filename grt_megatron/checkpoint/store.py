@@ -1,0 +1,255 @@
+"""Checkpoint directories on disk: atomic commits, manifests, the `latest` pointer, listing and pruning.
+
+    RUN_DIR/checkpoints/
+        step_00000200/                  one complete checkpoint
+            manifest.json               size and sha256 of every file below; written last
+            trainer_state.json          step, samples, schedule, layout, resolved config, tokenizer, version
+            model-tp00-pp00.safetensors fp32 weights + Adam moments of one (TP rank, pipeline stage)
+            rng/rank00000.safetensors   each rank's RNG states
+            tokenizer.model             the run's tokenizer
+            PERMANENT                   (optional) never pruned
+        latest                          name of the newest checkpoint (for people and tools)
+        .tmp-step_00000300/             a save in progress (or killed): never read
+
+A save writes into `.tmp-step_N`, fsyncs every file, writes the manifest, renames the directory to
+`step_N` and fsyncs its parent; `latest` changes after that. A directory named `step_N` therefore always
+has its manifest; whether its files still match it is checked before it is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from grt_megatron.checkpoint.state import CheckpointError
+
+FORMAT = "grt-megatron-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+PERMANENT = "PERMANENT"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def write_file(path: Path, data: bytes) -> dict[str, Any]:
+    """Write and fsync `data`; returns its manifest entry."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_file(tmp, text.encode())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.parent}: not a grt-megatron checkpoint (no {path.name})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: {what} is not a JSON object")
+    return value
+
+
+# ---- one checkpoint -----------------------------------------------------------------------------------
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    complete: bool
+    problem: Optional[str] = None
+    state: dict[str, Any] = field(default_factory=dict)
+    bytes: int = 0
+    permanent: bool = False
+
+
+def inspect_checkpoint(path: Path, verify_hashes: bool = False) -> CheckpointInfo:
+    """What a checkpoint directory holds and whether it can be used. Sizes are always checked;
+    content hashes with `verify_hashes` (reads every file)."""
+    path = Path(path)
+    match = _STEP_DIR.match(path.name)
+    info = CheckpointInfo(path=path, step=int(match.group(1)) if match else -1, complete=False,
+                          permanent=(path / PERMANENT).exists())
+    try:
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: not a checkpoint directory")
+        manifest = read_json(path / MANIFEST, "the manifest")
+        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: not a grt-megatron checkpoint (manifest format "
+                                  f"{manifest.get('format')!r})")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: checkpoint format version {manifest.get('format_version')} is not "
+                                  f"supported (this grt-megatron reads version {FORMAT_VERSION})")
+        files = manifest.get("files")
+        if not isinstance(files, dict) or TRAINER_STATE not in files:
+            raise CheckpointError(f"{path}: manifest lists no {TRAINER_STATE}")
+        for name, entry in sorted(files.items()):
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{path}: {name} is missing")
+            size = file.stat().st_size
+            if size != entry.get("bytes"):
+                raise CheckpointError(f"{path}: {name} has {size} bytes, the manifest says {entry.get('bytes')}")
+            info.bytes += size
+            if verify_hashes and file_entry(file)["sha256"] != entry.get("sha256"):
+                raise CheckpointError(f"{path}: {name} does not match its sha256 in the manifest (corrupt)")
+        info.state = read_json(path / TRAINER_STATE, "the trainer state")
+        info.step = int(info.state.get("step", info.step))
+        info.complete = True
+    except CheckpointError as err:
+        info.problem = str(err)
+    return info
+
+
+# ---- a directory of checkpoints -------------------------------------------------------------------------
+def list_checkpoints(root: Path, verify_hashes: bool = False) -> list[CheckpointInfo]:
+    """Every `step_N` directory under `root`, oldest first (in-progress `.tmp-*` saves are not listed)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted((inspect_checkpoint(p, verify_hashes) for p in dirs), key=lambda c: c.step)
+
+
+def checkpoint_root_of(path: Path) -> Path:
+    """A run directory names its `checkpoints/` folder; a checkpoints folder names itself."""
+    path = Path(path)
+    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
+
+
+def newest_complete(root: Path) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
+    """The newest checkpoint whose files all match their manifest, and the newer ones skipped (with why)."""
+    skipped = []
+    for candidate in reversed(list_checkpoints(root)):
+        if candidate.complete:
+            verified = inspect_checkpoint(candidate.path, verify_hashes=True)
+            if verified.complete:
+                return verified, skipped
+            candidate = verified
+        skipped.append(candidate)
+    return None, skipped
+
+
+def resolve_checkpoint(spec: str, default_root: Path) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
+    """`auto` (newest complete under `default_root`, None if there is none) or a path: a checkpoint
+    directory, or a run / checkpoints directory (its newest complete checkpoint)."""
+    if spec == "auto":
+        return newest_complete(default_root)
+    path = Path(spec)
+    if not path.exists():
+        raise CheckpointError(f"resume={spec}: no such file or directory")
+    if (path / MANIFEST).exists() or path.is_file() or _STEP_DIR.match(path.name):
+        info = inspect_checkpoint(path, verify_hashes=True)
+        if not info.complete:
+            raise CheckpointError(f"resume={spec}: {info.problem}")
+        return info, []
+    found, skipped = newest_complete(checkpoint_root_of(path))
+    if found is None:
+        raise CheckpointError(f"resume={spec}: no complete checkpoint in {checkpoint_root_of(path)}"
+                              + "".join(f"\n  skipped {s.path.name}: {s.problem}" for s in skipped))
+    return found, skipped
+
+
+# ---- writing ---------------------------------------------------------------------------------------------
+class PendingSave:
+    """A checkpoint being written: every rank writes its files into `tmp`; rank 0 commits."""
+
+    def __init__(self, root: Path, step: int):
+        self.root = Path(root)
+        self.name = step_dir_name(step)
+        self.tmp = self.root / f".tmp-{self.name}"
+
+    def prepare(self) -> None:
+        """Rank 0, before the others write: a clean temporary directory (stale ones are from killed saves)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".tmp-step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self.tmp.mkdir()
+
+    def commit(self, files: dict[str, dict[str, Any]], permanent: bool) -> Path:
+        """Rank 0, after every rank wrote: manifest, rename into place, then `latest`."""
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "files": dict(sorted(files.items()))}
+        if permanent:
+            write_file(self.tmp / PERMANENT, b"")
+        write_file(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        for sub in {self.tmp, *(p.parent for p in (self.tmp / f for f in files))}:
+            fsync_dir(sub)
+        final = self.root / self.name
+        replaced = None
+        if final.exists():  # the same step saved before (a resumed run passing it again)
+            replaced = self.root / f".replaced-{self.name}"
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(final, replaced)
+        os.rename(self.tmp, final)
+        fsync_dir(self.root)
+        write_text_atomic(self.root / LATEST, self.name + "\n")
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        return final
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints, sparing PERMANENT ones. Incomplete or
+    corrupt directories are left for a person to look at (they are never picked for resuming)."""
+    complete = [c for c in list_checkpoints(root) if c.complete]
+    removed = []
+    for old in complete[: max(0, len(complete) - keep_last)]:
+        if not old.permanent:
+            shutil.rmtree(old.path)
+            removed.append(old.path)
+    return removed
+
+
+def supersede_newer(root: Path, step: int) -> list[Path]:
+    """Move checkpoints newer than `step` (a timeline abandoned by resuming from an older checkpoint)
+    into `superseded/`, so that `resume=auto` cannot jump back to them."""
+    moved = []
+    for c in list_checkpoints(root):
+        if c.step > step:
+            target = Path(root) / "superseded" / c.path.name
+            target.parent.mkdir(exist_ok=True)
+            shutil.rmtree(target, ignore_errors=True)
+            os.rename(c.path, target)
+            moved.append(target)
+    return moved
