@@ -1,17 +1,19 @@
-"""Checkpoints: atomic, verified, safe to load (JSON + safetensors only), loadable into any layout."""
+"""Checkpoints: atomic, verified, safe to load (JSON + safetensors only), loadable into any layout.
 
-from grt_megatron.checkpoint.checkpointer import load_checkpoint, save_checkpoint
-from grt_megatron.checkpoint.compat import compare_configs
-from grt_megatron.checkpoint.state import CheckpointError
-from grt_megatron.checkpoint.store import (
-    CheckpointInfo,
-    inspect_checkpoint,
-    list_checkpoints,
-    resolve_checkpoint,
-    supersede_newer,
-)
+Names are imported on first use, so that `grt-ckpt ls` does not load torch, megatron and DeepSpeed.
+"""
 
-__all__ = [
-    "CheckpointError", "CheckpointInfo", "compare_configs", "inspect_checkpoint", "list_checkpoints",
-    "load_checkpoint", "resolve_checkpoint", "save_checkpoint", "supersede_newer",
-]
+import importlib
+
+_EXPORTS = {
+    "save_checkpoint": "checkpointer", "load_checkpoint": "checkpointer", "compare_configs": "compat",
+    "CheckpointError": "store", "CheckpointInfo": "store", "inspect_checkpoint": "store",
+    "list_checkpoints": "store", "resolve_checkpoint": "store", "supersede_newer": "store",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -61,7 +61,8 @@ def save_checkpoint(root: Path, step: int, engine, pipelined: bool, tokenizer, t
     params = named_parameters(engine.module, pipelined)
     optimizer = OptimizerState(engine)
     # Gathering is collective over DP: every DP rank walks the tensors, rank 0 keeps them.
-    tensors = {key: t.detach().to("cpu", torch.float32).contiguous() for key, t in iter_state_tensors(optimizer, params)}
+    tensors = {key: t.detach().to("cpu", torch.float32).contiguous()
+               for key, t in iter_state_tensors(optimizer, params)}
     files: dict[str, dict[str, Any]] = {}
     if dp_rank == 0:
         meta = {"tp_rank": str(tp_rank), "pp_rank": str(pp_rank),
@@ -88,7 +89,7 @@ def save_checkpoint(root: Path, step: int, engine, pipelined: bool, tokenizer, t
     return final
 
 
-class _ShardIndex:
+class ShardIndex:
     """Which saved shard file holds which tensor, for every saved (TP rank, stage)."""
 
     def __init__(self, path: Path, state: dict[str, Any]):
@@ -122,7 +123,7 @@ def load_checkpoint(path: Path, engine, pipelined: bool, padded_vocab_size: int,
     states back; otherwise the caller reseeds."""
     path = Path(path)
     state = json.loads((path / TRAINER_STATE).read_text())
-    index = _ShardIndex(path, state)
+    index = ShardIndex(path, state)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     optimizer = OptimizerState(engine)

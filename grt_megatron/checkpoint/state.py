@@ -17,15 +17,12 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.zero import GatheredParameters
+
+from grt_megatron.checkpoint.store import CheckpointError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # Rows of these tensors are the (padded) vocabulary: their padding depends on the TP size.
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used: missing, incomplete, corrupt, foreign or incompatible."""
 
 
 def plain_name(module_name: str, pipelined: bool) -> str:
@@ -89,8 +86,10 @@ class OptimizerState:
             self.kind, self.base = "copies", self.optimizer
             self.flats = [p for g in self.base.param_groups for p in g["params"]]
             self.master = {id(p): p for p in self.flats}
-        if not isinstance(self.base, torch.optim.AdamW):
-            raise CheckpointError(f"checkpoints support torch's AdamW; this run uses {type(self.base).__name__}")
+        if not isinstance(self.base, (torch.optim.AdamW, torch.optim.Adam)):
+            raise CheckpointError(f"checkpoints hold torch's Adam/AdamW state; this run's optimizer is "
+                                  f"{type(self.base).__name__} (with train.optimizer=deepspeed, set "
+                                  "train.torch_adam=true)")
 
     # ---- optimizer-wide state -------------------------------------------------------------------
     def materialize(self) -> None:
@@ -163,6 +162,8 @@ class OptimizerState:
             return
         self._set_zero3_partition(p, key, value)
         if key is None:
+            from deepspeed.runtime.zero import GatheredParameters
+
             with GatheredParameters([p], modifier_rank=0):  # rank 0's copy is partitioned on exit
                 p.data.copy_(value.to(p.dtype).reshape(p.data.shape))
 

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from grt_megatron.checkpoint.state import CheckpointError
-
 FORMAT = "grt-megatron-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -36,6 +34,10 @@ TRAINER_STATE = "trainer_state.json"
 PERMANENT = "PERMANENT"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used: missing, incomplete, corrupt, foreign or incompatible."""
 
 
 def step_dir_name(step: int) -> str:

@@ -26,8 +26,13 @@ from grt_megatron.checkpoint import (
     save_checkpoint,
     supersede_newer,
 )
+from grt_megatron.checkpoint.state import OptimizerState
 from grt_megatron.data import DataError
-from grt_megatron.distributed import destroy_distributed, init_distributed, seed_everything
+from grt_megatron.distributed import (
+    destroy_distributed,
+    init_distributed,
+    seed_everything,
+)
 from grt_megatron.generation import sample_text
 from grt_megatron.model import (
     ConfigError,
@@ -40,7 +45,12 @@ from grt_megatron.model import (
 from grt_megatron.parallel import register_sequence_parallel_grad_hooks
 from grt_megatron.parallel.pipeline import GRTPipelineModule
 from grt_megatron.training.config import RunConfig
-from grt_megatron.training.data import default_train_samples, on_main_rank, sample_noise_seeds, setup_training_data
+from grt_megatron.training.data import (
+    default_train_samples,
+    on_main_rank,
+    sample_noise_seeds,
+    setup_training_data,
+)
 from grt_megatron.training.engine import MegatronMPU, batch_layout, build_engine
 from grt_megatron.training.metrics import MetricsLogger
 
@@ -91,6 +101,8 @@ class Trainer:
         self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
         self.seq_length = cfg.seq_length
         self.resume_path, self.saved = self._select_checkpoint()
+        if cfg.resume and self.saved is None and self.info.is_main:
+            self._truncate_metrics(0)  # a run that died before its first checkpoint: start over
         train_samples = default_train_samples(cfg)
         if self.saved is not None:
             train_samples = check_resume(self.saved, cfg, self.info.is_main)
@@ -99,7 +111,8 @@ class Trainer:
         self.train_samples = train_samples
         self.tokenizer = self.data.tokenizer
         if self.saved is not None and self.saved["tokenizer"]["sha256"] != self.tokenizer.identity:
-            raise ConfigError(f"resume: {self.resume_path} was trained with tokenizer {self.saved['tokenizer']['source']} "
+            raise ConfigError(f"resume: {self.resume_path} was trained with tokenizer "
+                              f"{self.saved['tokenizer']['source']} "
                               f"(sha256 {self.saved['tokenizer']['sha256'][:12]}), this run has "
                               f"{self.tokenizer.source} (sha256 {self.tokenizer.identity[:12]})")
         self.model_config: GRTConfig = cfg.model_config(self.tokenizer.vocab_size)
@@ -120,6 +133,7 @@ class Trainer:
         # (Pipelines need ZeRO >= 1, checked with the layout.)
         self.clip_here = cfg.deepspeed.zero_stage == 0 and cfg.train.precision == "fp32"
         self.engine = build_engine(self.model, cfg, self.info.dp_size, clip_in_deepspeed=not self.clip_here)
+        OptimizerState(self.engine)  # an optimizer checkpoints cannot hold is refused now, not at the first save
         self.sampler = DepthSampler.from_config(self.model_config, cfg.seed)
         if self.pipelined:
             # The pipeline runs whole micro-batches on every DP rank: evaluation uses the largest such
@@ -181,7 +195,8 @@ class Trainer:
         if not same_layout:
             seed_everything(self.cfg.seed + self.start_step)  # per-rank states do not map onto other ranks
         if self.info.is_main:
-            note = "" if same_layout else (f"; saved with tp={layout['tp']} pp={layout['pp']} on {layout['world_size']} "
+            note = "" if same_layout else (f"; saved with tp={layout['tp']} pp={layout['pp']} on "
+                                           f"{layout['world_size']} "
                                            "processes, resharded, RNG states reseeded")
             print(f"resumed from {path} at step {self.start_step} ({saved['tokens']} tokens){note}", flush=True)
             self._truncate_metrics(self.start_step)
@@ -211,11 +226,12 @@ class Trainer:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         permanent = bool(c.checkpoint.keep_every and step % c.checkpoint.keep_every == 0)
+        start = time.perf_counter()
         path = save_checkpoint(self.checkpoint_root, step, self.engine, self.pipelined, self.tokenizer, state,
                                c.checkpoint.keep_last, permanent)
         self.last_saved = step
         if self.info.is_main:
-            tqdm.write(f"step {step}: saved checkpoint {path} ({reason})")
+            tqdm.write(f"step {step}: saved checkpoint {path} in {time.perf_counter() - start:.2f} s ({reason})")
         return path
 
     def _on_signal(self, signum, frame) -> None:

@@ -1,0 +1,226 @@
+"""Resuming is exact: N steps straight == N/2 steps + resume + N/2 steps, bit for bit, in every layout;
+killed saves, SIGUSR1, resharding and refused changes (grt-train and grt-ckpt as users run them)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from conftest import REPO, read_jsonl, run_cli
+
+QUIET = ["logging.wandb=disabled", "logging.progress=false"]
+PORT = iter(range(29710, 29800))
+
+
+def _torchrun(procs):
+    if procs == 1:
+        return None
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={next(PORT)}"]
+
+
+def _args(prefix, iters=4, dropout=0.1, interval=2, extra=()):
+    # Dropout on: a resumed run repeats its masks only if every rank's RNG states come back.
+    return ["model=tiny", f"data={prefix}", f"train.iters={iters}", "train.global_batch_size=8",
+            "train.micro_batch_size=2", "train.eval_iters=1", f"train.eval_interval={iters}",
+            f"checkpoint.interval={interval}", f"model.hidden_dropout={dropout}", f"model.attention_dropout={dropout}",
+            *QUIET, *extra]
+
+
+def _curve(run_dir, after=0):
+    return [(r["step"], r.get("split"), r["loss"], r.get("grad_norm")) for r in read_jsonl(run_dir / "metrics.jsonl")
+            if r["step"] > after]
+
+
+LAYOUTS = [
+    ("1p", 1, []),
+    ("1p-bf16", 1, ["train.precision=bf16"]),
+    ("tp2", 2, ["parallel.tp=2"]),
+    ("dp2-zero1", 2, ["deepspeed.zero_stage=1"]),
+    ("dp2-zero2", 2, ["deepspeed.zero_stage=2"]),
+    ("dp2-zero3", 2, ["deepspeed.zero_stage=3"]),
+    ("pp2", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
+]
+
+
+@pytest.mark.parametrize("name,procs,layout", LAYOUTS, ids=[n for n, _, _ in LAYOUTS])
+def test_resume_is_bit_exact(pydoc_prefix, tmp_path, name, procs, layout):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    proc = run_cli([*_args(pydoc_prefix[0], extra=layout), f"run.dir={straight}"], launcher=_torchrun(procs))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    half = straight / "checkpoints" / "step_00000002"
+    proc = run_cli([*_args(pydoc_prefix[0], extra=layout), f"run.dir={resumed}", f"resume={half}"],
+                   launcher=_torchrun(procs))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {half} at step 2" in proc.stdout
+    want, got = _curve(straight, after=2), _curve(resumed)
+    assert len(want) == 3 and got == want  # steps 3, 4 and the eval: losses and grad norms identical
+
+
+@pytest.mark.parametrize("layout", [["deepspeed.zero_stage=1"], ["parallel.tp=2"]], ids=["dp2-zero1", "tp2"])
+def test_reshard_to_one_process(pydoc_prefix, tmp_path, layout, world):
+    """Another data-parallel or tensor-parallel size and ZeRO stage: weights and optimizer state carry
+    over (no dropout, so the curves agree to reduction-order rounding, as the layouts do)."""
+    straight, resumed = tmp_path / "two", tmp_path / "one"
+    args = _args(pydoc_prefix[0], dropout=0.0)
+    proc = run_cli([*args, *layout, f"run.dir={straight}"], launcher=_torchrun(2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli([*args, f"run.dir={resumed}", f"resume={straight / 'checkpoints' / 'step_00000002'}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resharded, RNG states reseeded" in proc.stdout
+    want, got = _curve(straight, after=2), _curve(resumed)
+    assert [w[:2] for w in want] == [g[:2] for g in got]
+    for w, g in zip(want, got):  # step 4's loss follows an update made with the saved Adam moments
+        assert g[2] == pytest.approx(w[2], rel=1e-5)
+        if w[3] is not None:
+            assert g[3] == pytest.approx(w[3], rel=1e-5)
+    # The consolidated fp32 state dict of the 2-process checkpoint is a one-process model's state dict.
+    from grt_megatron.checkpoint.cli import consolidate
+    from grt_megatron.model import GRTConfig, GRTLanguageModel
+
+    tensors, meta = consolidate(straight / "checkpoints" / "step_00000004", progress=False)
+    model = GRTLanguageModel(GRTConfig.from_recipe(json.loads(meta["model_recipe"])))
+    assert model.load_state_dict(tensors, strict=True)
+    with safe_open(str(resumed / "checkpoints" / "step_00000004" / "model-tp00-pp00.safetensors"), "pt") as f:
+        # ... and close to the weights the resumed one-process run reached.
+        for name in ("block.layers.0.self_attention.linear_qkv.weight", "block.injection.weight"):
+            assert (f.get_tensor(f"param/{name}") - tensors[name]).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference(pydoc_prefix, tmp_path_factory):
+    """12 steps straight, saving every step (the run the interrupted ones must reproduce)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    proc = run_cli([*_args(pydoc_prefix[0], iters=12, interval=1, extra=["data.train_samples=160"]),
+                    f"run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def _start(args):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return subprocess.Popen([sys.executable, "-m", "grt_megatron.training.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, proc, timeout=120):
+    start = time.perf_counter()
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.perf_counter() - start < timeout
+        time.sleep(0.002)
+
+
+def test_sigkill_during_saves_always_resumes_from_newest_complete(pydoc_prefix, tmp_path, reference):
+    from grt_megatron.checkpoint import list_checkpoints
+
+    rng = random.Random(0)
+    args = _args(pydoc_prefix[0], iters=12, interval=1, extra=["data.train_samples=160", "checkpoint.keep_last=2"])
+    mid_save = 0
+    for trial in range(3):
+        run_dir = tmp_path / f"trial{trial}"
+        root = run_dir / "checkpoints"
+        proc = _start([*args, f"run.dir={run_dir}"])
+
+        def saving_after(step):  # a save in progress, after the checkpoint of `step` was committed
+            latest = root / "latest"
+            return list(root.glob(".tmp-step_*")) and latest.exists() and int(latest.read_text()[5:]) >= step
+
+        _wait_for(lambda: saving_after(1 + 3 * trial), proc)  # a later save each trial
+        time.sleep(rng.uniform(0, 0.03))
+        proc.kill()
+        proc.communicate()
+        mid_save += bool(list(root.glob(".tmp-step_*")))
+        complete = [c.step for c in list_checkpoints(root) if c.complete]
+        proc = run_cli([*args, f"run.dir={run_dir}", "resume=auto"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"resumed from {root / f'step_{max(complete):08d}'} at step {max(complete)}" in proc.stdout
+        assert _curve(run_dir) == _curve(reference)  # the whole curve, before and after the kill
+    assert mid_save >= 1  # at least one kill landed inside a save (a .tmp directory was left behind)
+
+
+def test_sigusr1_saves_exits_0_and_resume_continues_the_curve(pydoc_prefix, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    args = _args(pydoc_prefix[0], iters=12, interval=0, extra=["data.train_samples=160"])
+    proc = _start([*args, f"run.dir={run_dir}"])
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = int(out.split("stopped by SIGUSR1 at step ")[1].split(":")[0])
+    assert 2 <= stopped < 12
+    assert (run_dir / "checkpoints" / f"step_{stopped:08d}").is_dir()
+    proc = run_cli([*args, f"run.dir={run_dir}", "resume=auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _curve(run_dir) == _curve(reference)
+
+
+def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(pydoc_prefix, tmp_path):
+    run_dir = tmp_path / "run"
+    args = _args(pydoc_prefix[0], iters=40, interval=0, extra=["deepspeed.zero_stage=1"])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.Popen([*_torchrun(2), str(REPO / "grt_megatron" / "training" / "cli.py"), *args,
+                             f"run.dir={run_dir}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    os.kill(int(workers[-1]), signal.SIGUSR1)  # one rank only (the last started: not rank 0's logger)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped by SIGUSR1" in out
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert len(checkpoints) == 1 and len(list(checkpoints[0].glob("rng/rank*.safetensors"))) == 2
+
+
+def test_changes_are_refused_or_applied_as_listed(pydoc_prefix, tmp_path, reference):
+    base = _args(pydoc_prefix[0], iters=12, interval=1, extra=["data.train_samples=160"])
+    checkpoint = reference / "checkpoints" / "step_00000012"
+    proc = run_cli([*base, "model.hidden_size=256", "seed=7", f"run.dir={tmp_path / 'a'}", f"resume={checkpoint}"])
+    assert proc.returncode == 2
+    assert "model.hidden_size: 128 -> 256 (the model's shape and math)" in proc.stderr
+    assert "seed: 1234 -> 7" in proc.stderr
+    proc = run_cli([*base, "train.iters=30", f"run.dir={tmp_path / 'b'}", f"resume={checkpoint}"])
+    assert proc.returncode == 2 and "needs 240 training samples" in proc.stderr and "data.train_samples" in proc.stderr
+    # More steps within the data stream, and another LR: applied, listed, and training continues.
+    proc = run_cli([*base, "train.iters=14", "train.lr=1e-3", f"run.dir={tmp_path / 'c'}", f"resume={checkpoint}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train.iters: 12 -> 14" in proc.stdout and "train.lr: 0.002 -> 0.001" in proc.stdout
+    assert [r[0] for r in _curve(tmp_path / "c") if r[1] is None] == [13, 14]
+    # A run dir holding a run is not silently overwritten.
+    proc = run_cli([*base, f"run.dir={reference}"])
+    assert proc.returncode == 2 and "pass resume=auto to continue it" in proc.stderr
+
+
+def test_grt_ckpt_lists_shows_and_consolidates(reference, tmp_path):
+    from safetensors.torch import load_file
+
+    def ckpt(*args):
+        return subprocess.run([sys.executable, "-m", "grt_megatron.checkpoint.cli", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    proc = ckpt("ls", str(reference))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["checkpoint", "step", "tokens", "layout", "size", "status"]
+    assert [line.split()[0] for line in lines[1:]] == ["step_00000010", "step_00000011", "step_00000012"]
+    assert "tp1 pp1 dp1 zero0 fp32" in lines[-1] and lines[-1].endswith("complete, latest")
+    proc = ckpt("show", str(reference / "checkpoints" / "step_00000012"))
+    assert proc.returncode == 0 and '"optimizer_steps": 12' in proc.stdout
+    out = tmp_path / "model.safetensors"
+    proc = ckpt("consolidate", str(reference / "checkpoints" / "step_00000012"), "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    tensors = load_file(str(out))
+    with safe_open(str(reference / "checkpoints" / "step_00000012" / "model-tp00-pp00.safetensors"), "pt") as f:
+        assert tensors["block.gate_fc1.weight"].equal(f.get_tensor("param/block.gate_fc1.weight"))
+    assert ckpt("consolidate", str(reference / "checkpoints" / "step_00000012"), "--output", str(out)).returncode == 2
+    proc = ckpt("show", str(reference))
+    assert proc.returncode == 2 and "not a grt-megatron checkpoint" in proc.stderr
