@@ -1,9 +1,19 @@
-"""Plain autoregressive sampling from a training model (no KV cache): for demos and quick looks.
+"""Text from a model: plain sampling from a training model (no KV cache), and `grt-generate`.
 
-Evaluation mode: noise off, the configured R. The Hugging Face export brings the cached version.
+    grt-generate --checkpoint runs/a/checkpoints/step_00000300 --prompt "def main" --max-new-tokens 40 --greedy
+    grt-generate --hf hf/grt-tiny --prompt "def main" --max-new-tokens 40 --greedy [--num-recurrences 8]
+
+`--checkpoint` runs grt-megatron's own model (any layout's checkpoint, merged into one process);
+`--hf` runs the exported Hugging Face model with its per-recurrence K/V cache. Greedy, both give the same
+tokens. Evaluation mode everywhere: noise off.
 """
 
 from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -12,7 +22,9 @@ from grt_megatron.data.tokenizer import Tokenizer
 
 @torch.no_grad()
 def sample_text(model, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, seed: int = 0,
-                device: torch.device | str = "cpu", temperature: float = 0.8, top_k: int = 40) -> str:
+                device: torch.device | str = "cpu", temperature: float = 0.8, top_k: int = 40,
+                recurrences: Optional[int] = None) -> str:
+    """`temperature` 0: greedy. `recurrences` overrides the model's R."""
     was_training = model.training
     model.eval()
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -20,7 +32,7 @@ def sample_text(model, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, s
     tokens = torch.tensor([ids], dtype=torch.long, device=device)
     window = model.config.max_sequence_length
     for _ in range(max_new_tokens):
-        logits = model(tokens[:, -window:])[:, -1, :].float()
+        logits = model(tokens[:, -window:], recurrences=recurrences)[:, -1, :].float()
         if temperature <= 0:
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -33,3 +45,73 @@ def sample_text(model, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, s
     model.train(was_training)
     new = tokens[0, len(ids):].tolist() if prompt else tokens[0, 1:].tolist()
     return prompt + tokenizer.decode(new)
+
+
+def _from_checkpoint(args) -> str:
+    from grt_megatron.checkpoint.consolidate import consolidate
+    from grt_megatron.checkpoint.store import inspect_checkpoint
+    from grt_megatron.data.tokenizer import load_tokenizer
+    from grt_megatron.distributed import destroy_distributed, init_distributed
+    from grt_megatron.model import GRTConfig, GRTLanguageModel
+
+    path = Path(args.checkpoint)
+    tensors, _ = consolidate(path, progress=False)
+    state = inspect_checkpoint(path).state
+    init_distributed(seed=args.seed)
+    try:
+        model = GRTLanguageModel(GRTConfig.from_recipe(state["model"]))
+        model.load_state_dict(tensors, strict=True)
+        tokenizer = load_tokenizer(path / ("tokenizer.model" if (path / "tokenizer.model").is_file() else "tokenizer"))
+        return sample_text(model, tokenizer, args.prompt, args.max_new_tokens, seed=args.seed,
+                           temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
+                           recurrences=args.num_recurrences)
+    finally:
+        destroy_distributed()
+
+
+def _from_hf(args) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(args.hf, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.hf, trust_remote_code=True)
+    ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt else [tokenizer.eos_token_id]
+    torch.manual_seed(args.seed)
+    extra = {} if args.greedy else {"temperature": args.temperature, "top_k": args.top_k}
+    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=not args.greedy,
+                         min_new_tokens=args.max_new_tokens, num_recurrences=args.num_recurrences,
+                         kv_cache=args.kv_cache, exit_threshold=args.exit_threshold, **extra)
+    new = out[0, len(ids):].tolist()
+    return args.prompt + tokenizer.decode(new, skip_special_tokens=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from grt_megatron.console import quiet_known_warnings
+
+    parser = argparse.ArgumentParser(prog="grt-generate", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a training checkpoint directory (step_N)")
+    source.add_argument("--hf", help="an exported Hugging Face folder")
+    parser.add_argument("--prompt", default="")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--greedy", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--num-recurrences", type=int, default=None, help="R at inference (default: trained R)")
+    parser.add_argument("--kv-cache", choices=("per_recurrence", "average"), default=None, help="--hf only")
+    parser.add_argument("--exit-threshold", type=float, default=None, help="--hf only: adaptive exit")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    quiet_known_warnings()
+    from grt_megatron.checkpoint.store import CheckpointError
+
+    try:
+        text = _from_checkpoint(args) if args.checkpoint else _from_hf(args)
+    except (CheckpointError, OSError, ValueError) as err:
+        print(f"grt-generate: error: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -81,7 +81,7 @@ def test_reshard_to_one_process(pydoc_prefix, tmp_path, layout, world):
         if w[3] is not None:
             assert g[3] == pytest.approx(w[3], rel=1e-5)
     # The consolidated fp32 state dict of the 2-process checkpoint is a one-process model's state dict.
-    from grt_megatron.checkpoint.cli import consolidate
+    from grt_megatron.checkpoint.consolidate import consolidate
     from grt_megatron.model import GRTConfig, GRTLanguageModel
 
     tensors, meta = consolidate(straight / "checkpoints" / "step_00000004", progress=False)

@@ -6,7 +6,8 @@ Names are imported on first use, so that `grt-ckpt ls` does not load torch, mega
 import importlib
 
 _EXPORTS = {
-    "save_checkpoint": "checkpointer", "load_checkpoint": "checkpointer", "compare_configs": "compat",
+    "save_checkpoint": "checkpointer", "load_checkpoint": "checkpointer",
+    "compare_configs": "compat", "compare_models": "compat",
     "CheckpointError": "store", "CheckpointInfo": "store", "inspect_checkpoint": "store",
     "list_checkpoints": "store", "resolve_checkpoint": "store", "supersede_newer": "store",
 }

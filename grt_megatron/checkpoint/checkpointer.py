@@ -108,19 +108,20 @@ class ShardIndex:
             for key in self.files[pp][0].keys():
                 self.where[key] = pp
 
-    def full(self, key: str, name: str):
+    def full(self, key: str, dim: int):
+        """The tensor `key` whole across TP (`dim`: its partition dimension), or None if not saved."""
         pp = self.where.get(key)
         if pp is None:
             return None
-        return merge_tp([h.get_tensor(key) for h in self.files[pp]], self.dims.get(name, -1))
+        return merge_tp([h.get_tensor(key) for h in self.files[pp]], dim)
 
 
 @torch.no_grad()
 def load_checkpoint(path: Path, engine, pipelined: bool, padded_vocab_size: int, restore_rngs: bool) -> dict[str, Any]:
-    """Load a checkpoint (any layout) into the engine; returns its trainer state.
+    """Load a checkpoint (any layout) into the engine; returns its trainer state, with `rng_restored`.
 
     `restore_rngs`: the layout is the one saved (same world, TP, PP), so each rank gets its own RNG
-    states back; otherwise the caller reseeds."""
+    states back (if the checkpoint has them); otherwise the caller reseeds."""
     path = Path(path)
     state = json.loads((path / TRAINER_STATE).read_text())
     index = ShardIndex(path, state)
@@ -129,13 +130,13 @@ def load_checkpoint(path: Path, engine, pipelined: bool, padded_vocab_size: int,
     optimizer = OptimizerState(engine)
     optimizer.materialize()
     for name, p in named_parameters(engine.module, pipelined):
+        dim = partition_dim(p)  # the same model: the saved shards were split along the same dimension
         for key in (None, *MOMENTS):
-            full = index.full(f"{key or 'param'}/{name}", name)
+            full = index.full(f"{key or 'param'}/{name}", dim)
             if full is None:
                 if key is None:
                     raise CheckpointError(f"{path}: holds no weights for parameter {name} of this model")
                 full = torch.zeros(())  # a moment never created: the parameter never had a gradient
-            dim = index.dims.get(name, -1)
             if full.ndim and name in VOCAB_TENSORS:
                 full = fit_vocab_rows(full, padded_vocab_size)
             local = split_tp(full, dim, tp_rank, tp_size) if full.ndim else full.expand(full_shape(p))
@@ -145,9 +146,12 @@ def load_checkpoint(path: Path, engine, pipelined: bool, padded_vocab_size: int,
             optimizer.set(p, key, local.to(p.device))
     optimizer.set_step_count(int(state["optimizer_steps"]))
     _restore_schedule(engine, state)
-    if restore_rngs:
+    # An imported checkpoint has no RNG states; every rank must agree on whether they are restored.
+    restored = torch.tensor([int(restore_rngs and (path / rng_name(dist.get_rank())).is_file())])
+    dist.all_reduce(restored, op=dist.ReduceOp.MIN)
+    if restored.item():
         restore_rng(path / rng_name(dist.get_rank()))
-    return state
+    return {**state, "rng_restored": bool(restored.item())}
 
 
 def _restore_schedule(engine, state: dict[str, Any]) -> None:

@@ -16,6 +16,8 @@ REFUSED = {
     "data.split": "the data order", "data.tokenizer": "the tokenizer",
 }
 IGNORED = ("resume", "run.dir")
+# Model fields that change memory or speed, not the math.
+MODEL_ALLOWED = ("checkpoint_recurrence",)
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -47,4 +49,16 @@ def compare_configs(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[st
         why = _reason(key)
         line = f"{key}: {old!r} -> {now!r}"
         (refused if why else applied).append(f"{line} ({why})" if why else line)
+    return refused, applied
+
+
+def compare_models(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The effective model fields (`GRTConfig.to_dict()`, vocabulary resolved), as `compare_configs`."""
+    refused, applied = [], []
+    for key in sorted(set(saved) | set(new)):
+        old, now = saved.get(key, "<unset>"), new.get(key, "<unset>")
+        if old != now:
+            line = f"model.{key}: {old!r} -> {now!r}"
+            (applied if key in MODEL_ALLOWED else refused).append(line if key in MODEL_ALLOWED
+                                                                   else f"{line} ({REFUSED['model']})")
     return refused, applied

@@ -21,6 +21,7 @@ from grt_megatron import __version__
 from grt_megatron.checkpoint import (
     CheckpointError,
     compare_configs,
+    compare_models,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
@@ -68,12 +69,18 @@ class TrainResult:
     checkpoint: Optional[Path] = None
 
 
-def check_resume(saved: dict, cfg: RunConfig, announce: bool) -> int:
-    """Refuse config changes a run cannot continue through (listing them); list those applied.
-    Returns the length of the training sample stream to rebuild (the data order depends on it)."""
+def check_resume(saved: dict, cfg: RunConfig, model: dict, announce: bool) -> int:
+    """Refuse changes a run cannot continue through (listing them); list those applied. `model` is the
+    new effective model (`GRTConfig.to_dict()`). A checkpoint imported from Hugging Face has no run
+    config: only its model must match. Returns the length of the training sample stream to rebuild."""
+    refused, applied = compare_models(saved["model"], model)
+    if saved.get("config") is None:
+        return default_train_samples(cfg)
     before, after = json.loads(json.dumps(saved["config"])), cfg.to_dict()
     before["train"]["seq_length"], after["train"]["seq_length"] = saved["seq_length"], cfg.seq_length
-    refused, applied = compare_configs(before, after)
+    before.pop("model"), after.pop("model")  # compared above, as effective values
+    run_refused, run_applied = compare_configs(before, after)
+    refused, applied = refused + run_refused, applied + run_applied
     samples = int(saved["train_samples"])
     if cfg.data.train_samples is not None and cfg.data.train_samples != samples:
         refused.append(f"data.train_samples: {samples} -> {cfg.data.train_samples} (the data order depends on it)")
@@ -83,7 +90,8 @@ def check_resume(saved: dict, cfg: RunConfig, announce: bool) -> int:
                        f"was built for {samples} (data.train_samples: set it large enough when starting a run "
                        "you may extend)")
     if refused:
-        raise ConfigError("resume: the checkpoint's run cannot continue with these changes:\n  " + "\n  ".join(refused))
+        raise ConfigError("resume: the checkpoint's run cannot continue with these changes:\n  "
+                          + "\n  ".join(refused))
     if applied and announce:
         print("resume: applying changed settings:\n  " + "\n  ".join(applied), flush=True)
     return samples
@@ -103,19 +111,22 @@ class Trainer:
         self.resume_path, self.saved = self._select_checkpoint()
         if cfg.resume and self.saved is None and self.info.is_main:
             self._truncate_metrics(0)  # a run that died before its first checkpoint: start over
-        train_samples = default_train_samples(cfg)
-        if self.saved is not None:
-            train_samples = check_resume(self.saved, cfg, self.info.is_main)
-        self.data = setup_training_data(cfg, self.run_dir, self.info, self.seq_length, train_samples,
+        # The data stream's length (its order depends on it) comes from the checkpoint, if any, so the
+        # data is set up after the run-config check and before the model check (which needs the vocab).
+        self.train_samples = default_train_samples(cfg)
+        if self.saved is not None and self.saved.get("config") is not None:
+            self.train_samples = int(self.saved["train_samples"])
+        self.data = setup_training_data(cfg, self.run_dir, self.info, self.seq_length, self.train_samples,
                                         resuming=self.saved is not None)
-        self.train_samples = train_samples
         self.tokenizer = self.data.tokenizer
-        if self.saved is not None and self.saved["tokenizer"]["sha256"] != self.tokenizer.identity:
-            raise ConfigError(f"resume: {self.resume_path} was trained with tokenizer "
-                              f"{self.saved['tokenizer']['source']} "
-                              f"(sha256 {self.saved['tokenizer']['sha256'][:12]}), this run has "
-                              f"{self.tokenizer.source} (sha256 {self.tokenizer.identity[:12]})")
         self.model_config: GRTConfig = cfg.model_config(self.tokenizer.vocab_size)
+        if self.saved is not None:
+            if self.saved["tokenizer"]["sha256"] != self.tokenizer.identity:
+                raise ConfigError(f"resume: {self.resume_path} was trained with tokenizer "
+                                  f"{self.saved['tokenizer']['source']} "
+                                  f"(sha256 {self.saved['tokenizer']['sha256'][:12]}), this run has "
+                                  f"{self.tokenizer.source} (sha256 {self.tokenizer.identity[:12]})")
+            check_resume(self.saved, cfg, self.model_config.to_dict(), self.info.is_main)
         if self.seq_length > self.model_config.max_sequence_length:
             raise ConfigError(f"train.seq_length={self.seq_length} exceeds model.max_sequence_length="
                               f"{self.model_config.max_sequence_length}")
@@ -187,17 +198,20 @@ class Trainer:
         layout = saved["layout"]
         same_layout = all(layout[k] == v for k, v in self._layout().items() if k in ("world_size", "tp", "pp"))
         try:
-            load_checkpoint(path, self.engine, self.pipelined, self.model_config.padded_vocab_size,
-                            restore_rngs=same_layout)
+            loaded = load_checkpoint(path, self.engine, self.pipelined, self.model_config.padded_vocab_size,
+                                     restore_rngs=same_layout)
         except CheckpointError as err:
             raise ConfigError(str(err)) from None
         self.start_step = self.last_saved = int(saved["step"])
-        if not same_layout:
+        if not loaded["rng_restored"]:
             seed_everything(self.cfg.seed + self.start_step)  # per-rank states do not map onto other ranks
         if self.info.is_main:
-            note = "" if same_layout else (f"; saved with tp={layout['tp']} pp={layout['pp']} on "
-                                           f"{layout['world_size']} "
-                                           "processes, resharded, RNG states reseeded")
+            note = ""
+            if not same_layout:
+                note = (f"; saved with tp={layout['tp']} pp={layout['pp']} on {layout['world_size']} processes, "
+                        "resharded")
+            if not loaded["rng_restored"]:
+                note += ", RNG states reseeded"
             print(f"resumed from {path} at step {self.start_step} ({saved['tokens']} tokens){note}", flush=True)
             self._truncate_metrics(self.start_step)
             if path.parent.resolve() == self.checkpoint_root.resolve():

@@ -1,0 +1,338 @@
+"""`grt-convert-hf`: a training checkpoint (any layout) to a Hugging Face folder, and back.
+
+    grt-convert-hf --checkpoint runs/a/checkpoints/step_00001000 --output hf/grt-small [--dtype bf16]
+    grt-convert-hf --from-hf hf/grt-small --output runs/ft/checkpoints/step_00000000
+
+The folder holds `config.json` (model type `grt`, `auto_map`), `configuration_grt.py` and `modeling_grt.py`
+(torch + transformers only), `model.safetensors` (sharded when large), the tokenizer and
+`generation_config.json`; `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from grt_megatron.checkpoint.store import CheckpointError
+
+HF_FILES = Path(__file__).parent
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ---- names and shapes: one plain (one-process, TP 1) state dict <-> the HF model's -------------------------
+def _layer_map(i: int) -> dict[str, str]:
+    src, dst = f"block.layers.{i}.", f"model.layers.{i}."
+    return {src + a: dst + b for a, b in (
+        ("input_layernorm.weight", "input_layernorm.weight"), ("input_layernorm.bias", "input_layernorm.bias"),
+        ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+        ("self_attention.linear_proj.bias", "self_attn.o_proj.bias"),
+        ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+        ("pre_mlp_layernorm.bias", "post_attention_layernorm.bias"),
+        ("mlp.linear_fc1.weight", "mlp.fc1.weight"), ("mlp.linear_fc1.bias", "mlp.fc1.bias"),
+        ("mlp.linear_fc2.weight", "mlp.fc2.weight"), ("mlp.linear_fc2.bias", "mlp.fc2.bias"),
+    )}
+
+
+def name_map(num_layers: int) -> dict[str, str]:
+    """Plain grt-megatron name -> HF name, for every tensor that is renamed only (QKV is split apart)."""
+    out = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+           "embedding.position_embeddings.weight": "model.embed_positions.weight",
+           "final_norm.weight": "model.norm.weight", "final_norm.bias": "model.norm.bias",
+           "output_layer.weight": "lm_head.weight", "block.injection.weight": "model.injection.weight"}
+    for piece in ("gate_norm_state", "gate_norm_prelude", "gate_fc1", "gate_fc2"):
+        for kind in ("weight", "bias"):
+            out[f"block.{piece}.{kind}"] = f"model.{piece}.{kind}"
+    for i in range(num_layers):
+        out.update(_layer_map(i))
+    return out
+
+
+def _split_qkv(t: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron's fused QKV rows are grouped per head: [q_h, k_h, v_h] for each head h."""
+    per_head = t.reshape(heads, 3, t.shape[0] // (3 * heads), *t.shape[1:])
+    return tuple(per_head[:, i].reshape(-1, *t.shape[1:]).contiguous() for i in range(3))
+
+
+def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    parts = [x.reshape(heads, x.shape[0] // heads, *x.shape[1:]) for x in (q, k, v)]
+    return torch.stack(parts, dim=1).reshape(-1, *q.shape[1:]).contiguous()
+
+
+def to_hf_state(plain: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
+    """A plain fp32 state dict (vocab padding cut to `model['vocab_size']` here) -> HF names."""
+    heads, vocab = model["num_attention_heads"], model["vocab_size"]
+    names = name_map(model["prelude_layers"] + model["core_layers"] + model["coda_layers"])
+    out = {}
+    for name, t in plain.items():
+        if ".self_attention.linear_qkv." in name:
+            prefix, kind = name.split(".self_attention.linear_qkv.")
+            hf = prefix.replace("block.layers.", "model.layers.") + ".self_attn."
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), _split_qkv(t, heads)):
+                out[f"{hf}{proj}.{kind}"] = part
+            continue
+        if name not in names:
+            raise CheckpointError(f"tensor {name} has no Hugging Face name (a model this export does not know)")
+        out[names[name]] = t[:vocab].contiguous() if name in ("embedding.word_embeddings.weight",
+                                                              "output_layer.weight") else t
+    return out
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], model: dict, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """HF state dict -> plain names, vocabulary zero-padded to `padded_vocab` rows."""
+    heads = model["num_attention_heads"]
+    back = {v: k for k, v in name_map(model["prelude_layers"] + model["core_layers"] + model["coda_layers"]).items()}
+    out, qkv = {}, {}
+    for name, t in hf.items():
+        if ".self_attn." in name and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
+            prefix, proj, kind = name.rsplit(".", 2)
+            qkv.setdefault((prefix, kind), {})[proj] = t
+            continue
+        if name == "lm_head.weight" and model["tie_embeddings"]:
+            continue
+        plain = back[name]
+        if plain in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
+        out[plain] = t
+    for (prefix, kind), parts in qkv.items():
+        plain = prefix.replace("model.layers.", "block.layers.").replace(".self_attn", ".self_attention")
+        out[f"{plain}.linear_qkv.{kind}"] = _join_qkv(parts["q_proj"], parts["k_proj"], parts["v_proj"], heads)
+    return out
+
+
+def hf_config_kwargs(model: dict) -> dict:
+    """HF `GRTConfig` fields from a grt-megatron model (`GRTConfig.to_dict()`)."""
+    if model["initial_state"] != "prelude":
+        raise CheckpointError(f"model.initial_state={model['initial_state']!r}: the export supports only "
+                              "'prelude' (a random initial state is not reproducible token by token)")
+    d = model["hidden_size"]
+    return dict(
+        vocab_size=model["vocab_size"], hidden_size=d, num_attention_heads=model["num_attention_heads"],
+        ffn_hidden_size=model.get("ffn_hidden_size") or 4 * d, normalization=model["normalization"],
+        activation=model["activation"], add_bias_linear=model["add_bias_linear"],
+        layernorm_epsilon=model["layernorm_epsilon"], max_position_embeddings=model["max_sequence_length"],
+        position_embedding=model["position_embedding"], rotary_base=model["rotary_base"],
+        prelude_layers=model["prelude_layers"], core_layers=model["core_layers"], coda_layers=model["coda_layers"],
+        num_recurrences=model["recurrences"], injection=model["injection"], gate=model["gate"],
+        gate_temperature=model["gate_temperature"], gate_bias_init=model["gate_bias_init"],
+        initial_state=model["initial_state"], depth_sampler=model["depth_sampler"],
+        heavy_tail_sigma=model["heavy_tail_sigma"], heavy_tail_k=model["heavy_tail_k"],
+        noise_sigma=model["noise_sigma"], init_method_std=model["init_method_std"],
+        tie_word_embeddings=model["tie_embeddings"],
+    )
+
+
+def model_from_hf_config(config) -> dict:
+    """grt-megatron model fields (a recipe) from an HF `GRTConfig`."""
+    return dict(
+        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        ffn_hidden_size=config.ffn_hidden_size, normalization=config.normalization, activation=config.activation,
+        add_bias_linear=config.add_bias_linear, layernorm_epsilon=config.layernorm_epsilon,
+        init_method_std=config.init_method_std, vocab_size=config.vocab_size,
+        max_sequence_length=config.max_position_embeddings, prelude_layers=config.prelude_layers,
+        core_layers=config.core_layers, coda_layers=config.coda_layers, recurrences=config.num_recurrences,
+        injection=config.injection, gate=config.gate, gate_bias_init=config.gate_bias_init,
+        gate_temperature=config.gate_temperature, noise_sigma=config.noise_sigma, initial_state=config.initial_state,
+        tie_embeddings=config.tie_word_embeddings, position_embedding=config.position_embedding,
+        rotary_base=config.rotary_base, depth_sampler=config.depth_sampler, heavy_tail_sigma=config.heavy_tail_sigma,
+        heavy_tail_k=config.heavy_tail_k, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+
+
+# ---- export -------------------------------------------------------------------------------------------------
+def _hf_classes():
+    from grt_megatron.hf.configuration_grt import GRTConfig as HFGRTConfig
+    from grt_megatron.hf.modeling_grt import GRTForCausalLM
+
+    # save_pretrained then copies configuration_grt.py / modeling_grt.py and writes `auto_map`.
+    HFGRTConfig.register_for_auto_class()
+    GRTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    return HFGRTConfig, GRTForCausalLM
+
+
+def build_hf_model(plain: dict[str, torch.Tensor], model: dict, dtype: torch.dtype = torch.float32,
+                   progress: bool = False):
+    """An in-memory `GRTForCausalLM` holding a plain state dict's weights."""
+    HFGRTConfig, GRTForCausalLM = _hf_classes()
+    config = HFGRTConfig(**hf_config_kwargs(model))
+    with torch.device("meta"):
+        hf_model = GRTForCausalLM(config)
+    state = to_hf_state(plain, model)
+    expected = set(hf_model.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint and GRTForCausalLM disagree: missing {sorted(missing)}, "
+                              f"unexpected {sorted(unexpected)}")
+    converted = {k: v.to(dtype) for k, v in tqdm(state.items(), desc="convert", unit="tensor", disable=not progress)}
+    hf_model.load_state_dict(converted, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        hf_model.lm_head.weight = hf_model.model.embed_tokens.weight
+    return hf_model.eval()
+
+
+def _save_tokenizer(checkpoint: Path, state: dict, out: Path, max_length: int) -> dict:
+    """Tokenizer files into `out`; returns the special token ids for the generation config."""
+    kind = state["tokenizer"]["kind"]
+    if kind == "SentencePieceTokenizer":
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=str(checkpoint / "tokenizer.model"))
+        shutil.copyfile(checkpoint / "tokenizer.model", out / "tokenizer.model")
+        shutil.copyfile(HF_FILES / "tokenization_grt.py", out / "tokenization_grt.py")
+        eos = sp.id_to_piece(sp.eos_id())
+        bos = sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None
+        config = {"tokenizer_class": "GRTTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_grt.GRTTokenizer",
+                                                                                     None]},
+                  "eos_token": eos, "bos_token": bos, "unk_token": sp.id_to_piece(sp.unk_id()), "pad_token": eos,
+                  "legacy": True, "add_bos_token": False, "add_eos_token": False,
+                  "clean_up_tokenization_spaces": False, "model_max_length": max_length}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+        return {"eos_token_id": sp.eos_id(), "bos_token_id": sp.bos_id() if sp.bos_id() >= 0 else sp.eos_id(),
+                "pad_token_id": sp.eos_id()}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(checkpoint / "tokenizer"))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.save_pretrained(str(out))
+    return {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id or tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id}
+
+
+def export_checkpoint(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: str = "2GB",
+                      progress: bool = True) -> Path:
+    from transformers import GenerationConfig
+
+    from grt_megatron.checkpoint.consolidate import consolidate
+
+    output = Path(output)
+    if output.exists():
+        raise CheckpointError(f"--output {output} exists; refusing to overwrite it")
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    plain, _ = consolidate(Path(checkpoint), progress=progress)
+    from grt_megatron.checkpoint.store import inspect_checkpoint
+
+    state = inspect_checkpoint(Path(checkpoint)).state
+    model = state["model"]
+    hf_model = build_hf_model(plain, model, _DTYPES[dtype], progress)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent if output.parent.exists() else None))
+    try:
+        special = _save_tokenizer(Path(checkpoint), state, tmp, model["max_sequence_length"])
+        hf_model.config.update(special)
+        hf_model.generation_config = GenerationConfig(**special)
+        hf_model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        (tmp / "grt_export.json").write_text(json.dumps({"source": str(checkpoint), "step": state["step"],
+                                                         "tokens": state["tokens"], "dtype": dtype,
+                                                         "version": state["version"]}, indent=2))
+        for file in tmp.iterdir():  # mkdtemp and some writers create owner-only files
+            file.chmod(0o644)
+        tmp.chmod(0o755)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+# ---- import -------------------------------------------------------------------------------------------------
+def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
+    """An exported folder -> a training checkpoint (step 0, no optimizer state) that `grt-train resume=`
+    fine-tunes from in any layout."""
+    from safetensors.torch import save as save_tensors
+    from transformers import AutoConfig
+
+    from grt_megatron import __version__
+    from grt_megatron.checkpoint.store import TRAINER_STATE, PendingSave, file_entry, write_file
+    from grt_megatron.data.tokenizer import load_tokenizer
+    from grt_megatron.model import GRTConfig
+
+    hf_dir, output = Path(hf_dir), Path(output)
+    if output.exists():
+        raise CheckpointError(f"--output {output} exists; refusing to overwrite it")
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(f"--from-hf {hf_dir}: no config.json (not a Hugging Face model folder)")
+    config = AutoConfig.from_pretrained(str(hf_dir), trust_remote_code=True)
+    if getattr(config, "model_type", None) != "grt":
+        raise CheckpointError(f"--from-hf {hf_dir}: model_type {getattr(config, 'model_type', None)!r} is not 'grt'")
+    model = GRTConfig.from_recipe(model_from_hf_config(config)).to_dict()
+    padded = GRTConfig.from_recipe(model).padded_vocab_size
+    hf_state = _read_hf_weights(hf_dir)
+    plain = from_hf_state(hf_state, model, padded)
+    tokenizer = load_tokenizer(hf_dir / "tokenizer.model") if (hf_dir / "tokenizer.model").is_file() \
+        else load_tokenizer(str(hf_dir))
+    if not output.name.startswith("step_"):
+        raise CheckpointError(f"--output {output}: name a checkpoint directory step_NNNNNNNN (e.g. step_00000000)")
+    pending = PendingSave(output.parent, int(output.name[5:]))
+    pending.prepare()
+    tensors = {f"param/{k}": v.float().contiguous() for k, v in tqdm(sorted(plain.items()), desc="import",
+                                                                      unit="tensor", disable=not progress)}
+    files = {"model-tp00-pp00.safetensors": write_file(
+        pending.tmp / "model-tp00-pp00.safetensors",
+        save_tensors(tensors, metadata={"tp_rank": "0", "pp_rank": "0", "partition_dims": json.dumps({})}))}
+    saved = tokenizer.save(pending.tmp / tokenizer.file_name)
+    for file in ([saved] if saved.is_file() else sorted(p for p in saved.rglob("*") if p.is_file())):
+        files[str(file.relative_to(pending.tmp))] = file_entry(file)
+    state = {"version": __version__, "step": int(output.name[5:]), "consumed_samples": 0, "tokens": 0,
+             "train_samples": None, "seq_length": model["max_sequence_length"],
+             "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "sp": False, "zero_stage": 0,
+                        "precision": "fp32"},
+             "config": None, "model": model, "model_shape": GRTConfig.from_recipe(model).shape_name,
+             "tokenizer": tokenizer.describe(), "data_prefixes": [], "reason": f"imported from {hf_dir}",
+             "saved_at": "", "optimizer_steps": 0,
+             "lr_scheduler": {"last_epoch": 0, "_step_count": 1}}
+    files[TRAINER_STATE] = write_file(pending.tmp / TRAINER_STATE, json.dumps(state, indent=2).encode())
+    return pending.commit(files, permanent=False)
+
+
+def _read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = hf_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    out = {}
+    for name in files:
+        if not (hf_dir / name).is_file():
+            raise CheckpointError(f"--from-hf {hf_dir}: {name} is missing")
+        out.update(load_file(str(hf_dir / name)))
+    return {k: v.float() for k, v in out.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from grt_megatron.console import quiet_known_warnings
+
+    parser = argparse.ArgumentParser(prog="grt-convert-hf", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a training checkpoint directory (step_N), any layout")
+    source.add_argument("--from-hf", help="an exported Hugging Face folder, to import as a training checkpoint")
+    parser.add_argument("--output", required=True, help="the HF folder to write (export) or the checkpoint "
+                                                        "directory RUN/checkpoints/step_00000000 (import)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="weights' dtype in the export")
+    parser.add_argument("--max-shard-size", default="2GB")
+    args = parser.parse_args(argv)
+    quiet_known_warnings()
+    try:
+        if args.checkpoint:
+            out = export_checkpoint(Path(args.checkpoint), Path(args.output), args.dtype, args.max_shard_size)
+            print(f"exported {args.checkpoint} -> {out}")
+        else:
+            out = import_hf(Path(args.from_hf), Path(args.output))
+            print(f"imported {args.from_hf} -> {out} (resume=... it to fine-tune, in any layout)")
+    except CheckpointError as err:
+        print(f"grt-convert-hf: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""Gated Recurrent Transformer for Hugging Face transformers: `GRTForCausalLM` with `generate()`.
+
+Self-contained (imports only torch and transformers): it is copied next to the weights of an exported
+model and loaded with `trust_remote_code=True`. Inference only adds no noise; the equations are those of
+grt-megatron's `recurrent_block.py`:
+
+    h_pre = Prelude(embed(tokens));  h_0 = h_pre
+    for r in 1..R:  x_r = W_in [h_{r-1}, h_pre];  o_r = Core(x_r)
+                    g_r = sigmoid(W_2 silu(W_1 [LN(h_{r-1}), LN(h_pre)] + b_1) + b_2);  h_r = g_r h_{r-1} + (1-g_r) o_r
+    logits = Head(Norm(Coda(h_R)))
+
+The K/V cache has a slot per layer *execution*: prelude layers, each core layer at each recurrence, coda
+layers; sharing one slot across recurrences would let later recurrences overwrite earlier ones. With
+`kv_cache="average"` the core keeps one slot per layer holding the mean K/V over recurrences (smaller,
+approximate for past tokens).
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_grt import GRTConfig
+
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
+
+
+def _norm(config: GRTConfig) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RecurrentKVCache(DynamicCache):
+    """A DynamicCache whose layer index is a slot (see `GRTModel.slot`); slots are created on first use.
+    `average`: core slots hold the mean K/V over recurrences; a chunk's K/V are summed in `pending`
+    while its recurrences run and committed once they are done."""
+
+    def __init__(self, average: bool = False):
+        super().__init__()
+        self.average = average
+        self.pending: dict[int, list] = {}
+
+    def past(self, slot: int):
+        if slot < len(self.layers) and getattr(self.layers[slot], "keys", None) is not None \
+                and self.layers[slot].keys.numel():
+            return self.layers[slot].keys, self.layers[slot].values
+        return None
+
+    def accumulate(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if slot in self.pending:
+            self.pending[slot][0] += k
+            self.pending[slot][1] += v
+            self.pending[slot][2] += 1
+        else:
+            self.pending[slot] = [k.clone(), v.clone(), 1]
+
+    def commit(self) -> None:
+        for slot, (k, v, n) in sorted(self.pending.items()):
+            self.update(k / n, v / n, slot)
+        self.pending = {}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+class GRTAttention(nn.Module):
+    def __init__(self, config: GRTConfig):
+        super().__init__()
+        d, self.heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = d // self.heads
+        bias = config.add_bias_linear
+        self.q_proj = nn.Linear(d, d, bias=bias)
+        self.k_proj = nn.Linear(d, d, bias=bias)
+        self.v_proj = nn.Linear(d, d, bias=bias)
+        self.o_proj = nn.Linear(d, d, bias=bias)
+
+    def forward(self, x, mask, rope, cache: Optional[RecurrentKVCache], slot: int, mode: str):
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if rope is not None:
+            cos, sin = rope
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if cache is None:
+            keys, values = k, v
+        elif mode == "average":
+            past = cache.past(slot)
+            keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+            cache.accumulate(slot, k, v)
+        else:
+            keys, values = cache.update(k, v, slot)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class GRTMLP(nn.Module):
+    def __init__(self, config: GRTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=config.add_bias_linear)
+        self.fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+        self.act = ACTIVATIONS[config.activation]
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class GRTLayer(nn.Module):
+    def __init__(self, config: GRTConfig):
+        super().__init__()
+        self.input_layernorm = _norm(config)
+        self.self_attn = GRTAttention(config)
+        self.post_attention_layernorm = _norm(config)
+        self.mlp = GRTMLP(config)
+
+    def forward(self, h, mask, rope, cache, slot, mode):
+        h = h + self.self_attn(self.input_layernorm(h), mask, rope, cache, slot, mode)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GRTPreTrainedModel(PreTrainedModel):
+    config_class = GRTConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["GRTLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        std = self.config.init_method_std
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, GRTModel) and module.gate_fc2 is not None:
+            nn.init.constant_(module.gate_fc2.bias, self.config.gate_bias_init)
+
+
+class GRTModel(GRTPreTrainedModel):
+    def __init__(self, config: GRTConfig):
+        super().__init__(config)
+        if config.initial_state != "prelude":
+            raise ValueError(f"initial_state={config.initial_state!r} is not supported at inference (only 'prelude')")
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_positions = (nn.Embedding(config.max_position_embeddings, d)
+                                if config.position_embedding == "learned" else None)
+        self.layers = nn.ModuleList(GRTLayer(config) for _ in range(config.num_hidden_layers))
+        self.injection = nn.Linear(2 * d, d, bias=False) if config.injection == "concat_project" else None
+        self.gate_norm_state = self.gate_norm_prelude = self.gate_fc1 = self.gate_fc2 = None
+        if config.gate == "mlp":
+            self.gate_norm_state, self.gate_norm_prelude = _norm(config), _norm(config)
+            self.gate_fc1, self.gate_fc2 = nn.Linear(2 * d, d), nn.Linear(d, d)
+        self.norm = _norm(config)
+        self.post_init()
+
+    def slot(self, piece: str, index: int, recurrence: int, recurrences: int, average: bool) -> int:
+        """The cache slot of one layer execution."""
+        p, k = self.config.prelude_layers, self.config.core_layers
+        if piece == "prelude":
+            return index
+        core = k if average else k * recurrences
+        if piece == "core":
+            return p + (index if average else recurrence * k + index)
+        return p + core + index
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        if self.embed_positions is not None:
+            return None
+        dim = self.config.hidden_size // self.config.num_attention_heads
+        inv = 1.0 / (self.config.rotary_base ** (torch.arange(0, dim, 2, device=positions.device).float() / dim))
+        freqs = positions.float()[..., None] * inv  # [b, s, dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [b, 1, s, dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, num_recurrences=None,
+                exit_threshold=None, kv_cache=None):
+        """Hidden states [b, s, d] after the final norm, and the number of recurrences each token ran
+        ([b, s]; all R without adaptive exit)."""
+        cfg = self.config
+        recurrences = num_recurrences or cfg.num_recurrences
+        threshold = cfg.exit_threshold if exit_threshold is None else exit_threshold
+        average = (kv_cache or cfg.kv_cache) == "average"
+        core_mode = "average" if average else "write"  # prelude and coda always have their own slots
+        b, s = input_ids.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(b, past + s, dtype=torch.long, device=input_ids.device)
+        valid = attention_mask[:, -(past + s):].bool()
+        if position_ids is None:  # left padding: positions count real tokens only
+            position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, -s:]
+        h = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            h = h + self.embed_positions(position_ids)
+        rope = self._rope(position_ids, h.dtype)
+        query = torch.arange(past, past + s, device=h.device)[:, None]
+        key = torch.arange(past + s, device=h.device)[None, :]
+        mask = ((key <= query)[None] & valid[:, None, :]) | (key == query)[None]  # a row never empty
+        mask = mask[:, None]  # [b, 1, s, past + s]
+        p, k = cfg.prelude_layers, cfg.core_layers
+        for i in range(p):
+            h = self.layers[i](h, mask, rope, cache, self.slot("prelude", i, 0, recurrences, average), "write")
+        h_pre = state = h
+        ran = torch.zeros(b, s, dtype=torch.long, device=h.device)
+        active = torch.ones(b, s, dtype=torch.bool, device=h.device)
+        for r in range(recurrences):
+            if self.injection is not None:
+                x = self.injection(torch.cat([state, h_pre], dim=-1))
+            elif cfg.injection == "add" and r > 0:
+                x = state + h_pre
+            else:
+                x = state
+            for j in range(k):
+                x = self.layers[p + j](x, mask, rope, cache, self.slot("core", j, r, recurrences, average),
+                                       core_mode)
+            if self.gate_fc1 is None:
+                new = x
+            else:
+                a = self.gate_fc1(torch.cat([self.gate_norm_state(state), self.gate_norm_prelude(h_pre)], -1))
+                g = torch.sigmoid(self.gate_fc2(F.silu(a)) / cfg.gate_temperature)
+                new = g * state + (1 - g) * x
+            ran += active.long()
+            if threshold is not None:
+                change = (new - state).float().norm(dim=-1) / state.float().norm(dim=-1).clamp_min(1e-12)
+                new = torch.where(active[..., None], new, state)
+                active = active & (change >= threshold)
+            state = new
+            if threshold is not None and not active.any():
+                if cache is not None and not average:  # later recurrences' slots repeat this one's K/V
+                    for j in range(k):
+                        last = cache.layers[self.slot("core", j, r, recurrences, False)]
+                        for later in range(r + 1, recurrences):
+                            n = last.keys.shape[2]
+                            cache.update(last.keys[:, :, n - s:], last.values[:, :, n - s:],
+                                         self.slot("core", j, later, recurrences, False))
+                break
+        if cache is not None and average:
+            cache.commit()
+        for c in range(cfg.coda_layers):
+            state = self.layers[p + k + c](state, mask, rope, cache,
+                                           self.slot("coda", c, 0, recurrences, average), "write")
+        return self.norm(state), ran
+
+
+class GRTForCausalLM(GRTPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: GRTConfig):
+        super().__init__(config)
+        self.model = GRTModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.last_recurrences: Optional[torch.Tensor] = None
+        """Recurrences each token of the last forward ran (smaller than R where adaptive exit fired)."""
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # The cache is ours (a slot per layer execution, created in `forward`), not one sized by the config.
+        return False
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, labels=None,
+                use_cache=None, num_recurrences=None, exit_threshold=None, kv_cache=None, logits_to_keep=0,
+                **kwargs):
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = RecurrentKVCache(average=(kv_cache or self.config.kv_cache) == "average")
+        hidden, ran = self.model(input_ids, attention_mask, position_ids, cache if use_cache else None,
+                                 num_recurrences, exit_threshold, kv_cache)
+        self.last_recurrences = ran
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
