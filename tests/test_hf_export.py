@@ -1,0 +1,172 @@
+"""Hugging Face export and import with the real transformers: logits parity with the framework for
+models trained in TP 2 and PP 2, the per-recurrence K/V cache, batching with left padding, the folder on
+its own (project not importable), round trips, grt-generate."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_cli
+
+QUIET = ["logging.wandb=disabled", "logging.progress=false"]
+PORT = iter(range(29800, 29850))
+
+
+@pytest.fixture(scope="module")
+def trained(pydoc_prefix, tmp_path_factory):
+    """A tiny GRT (1+2×3+1, so the core has two layers) trained 3 steps in TP 2 (with its own output layer)
+    and in PP 2 (tied). A small LR keeps the untied one close to its random init, whose greedy
+    continuations vary from token to token (a tied random model repeats its input token)."""
+    out = {}
+    for name, layout in (("tp2", ["parallel.tp=2", "model.tie_embeddings=false"]),
+                         ("pp2", ["parallel.pp=2", "deepspeed.zero_stage=1"])):
+        run_dir = tmp_path_factory.mktemp(name) / "run"
+        proc = run_cli(["model=tiny", "model.core_layers=2", "model.recurrences=3", f"data={pydoc_prefix[0]}",
+                        "train.iters=3", "train.lr=1e-5", "train.global_batch_size=4", "train.micro_batch_size=2",
+                        "train.eval_iters=1", *QUIET, *layout, f"run.dir={run_dir}"],
+                       launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                 f"--master_port={next(PORT)}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = run_dir / "checkpoints" / "step_00000003"
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    from grt_megatron.hf.convert import export_checkpoint
+
+    root = tmp_path_factory.mktemp("hf")
+    return {name: export_checkpoint(ckpt, root / name, progress=False) for name, ckpt in trained.items()}
+
+
+def _hf(folder, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_exported_logits_equal_the_framework(world, trained, exported, layout):
+    from grt_megatron.checkpoint.consolidate import consolidate
+    from grt_megatron.checkpoint.store import inspect_checkpoint
+    from grt_megatron.model import GRTConfig, GRTLanguageModel
+
+    tensors, _ = consolidate(trained[layout], progress=False)
+    framework = GRTLanguageModel(GRTConfig.from_recipe(inspect_checkpoint(trained[layout]).state["model"]))
+    framework.load_state_dict(tensors, strict=True)
+    framework.eval()
+    tokens = torch.randint(0, 2048, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = framework(tokens)
+        got = _hf(exported[layout])(tokens).logits
+    assert got.shape == want.shape == (3, 40, 2048)
+    assert (got - want).abs().max() <= 1e-4
+
+
+def test_greedy_with_cache_equals_without_and_batches_equal_one_by_one(exported):
+    model = _hf(exported["tp2"])
+    prompt = torch.randint(3, 2048, (1, 9), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    cached = model.generate(prompt, **kw)
+    uncached = model.generate(prompt, use_cache=False, **kw)
+    assert torch.equal(cached, uncached)
+    assert len(set(cached[0, 9:].tolist())) > 3  # a continuation that varies, not one token repeated
+    # Left-padded batch == each prompt alone (positions count real tokens; padding is never attended).
+    short = prompt[:, :5]
+    pad = model.generation_config.pad_token_id
+    batch = torch.cat([torch.cat([torch.full((1, 4), pad), short], 1), prompt])
+    mask = torch.cat([torch.cat([torch.zeros(1, 4), torch.ones(1, 5)], 1), torch.ones(1, 9)]).long()
+    together = model.generate(batch, attention_mask=mask, **kw)
+    assert torch.equal(together[0, 9:], model.generate(short, **kw)[0, 5:])
+    assert torch.equal(together[1, 9:], cached[0, 9:])
+
+
+def test_recurrence_override_adaptive_exit_and_averaged_cache(exported):
+    model = _hf(exported["tp2"])
+    prompt = torch.randint(3, 2048, (2, 12), generator=torch.Generator().manual_seed(2))
+    full = model(prompt, use_cache=True)
+    average = model(prompt, use_cache=True, kv_cache="average")
+    # 1+2×3+1: 8 layer executions per token vs 4 slots (prelude, 2 core layers, coda).
+    assert full.cache.nbytes() == 2 * average.cache.nbytes()
+    assert torch.allclose(full.logits, average.logits, atol=1e-5)  # within one forward, no approximation
+    assert average.cache.nbytes() / full.cache.nbytes() == 4 / 8
+    deeper = model(prompt, num_recurrences=6, use_cache=True)
+    assert len(deeper.cache.layers) == 1 + 2 * 6 + 1 and not torch.allclose(deeper.logits, full.logits)
+    model(prompt, exit_threshold=10.0)  # every token exits after its first recurrence
+    assert model.last_recurrences.eq(1).all()
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert model.generate(prompt[:1], exit_threshold=10.0, **kw).shape == (1, 20)
+    assert model.generate(prompt[:1], kv_cache="average", **kw).shape == (1, 20)
+
+
+def test_folder_alone_loads_without_the_project(exported, tmp_path):
+    """Copied elsewhere, with `grt_megatron` unimportable: AutoModel/AutoTokenizer, pipeline, bf16."""
+    folder = tmp_path / "copy"
+    shutil.copytree(exported["pp2"], folder)
+    script = f"""
+import sys
+sys.modules["grt_megatron"] = None  # any import of the project now fails
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+tok = AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+text = "def main():\\n    return 1"
+assert tok.decode(tok.encode(text)) == text
+out = pipeline("text-generation", model=model, tokenizer=tok)(text, max_new_tokens=5, do_sample=False)
+assert out[0]["generated_text"].startswith(text), out
+bf16 = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.bfloat16)
+ids = bf16.generate(torch.tensor([tok.encode(text)]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+assert ids.shape[1] == len(tok.encode(text)) + 5
+print("ok", type(model).__module__)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ok transformers_modules." in proc.stdout
+
+
+def test_export_import_export_is_identical_and_imports_train(exported, pydoc_prefix, tmp_path):
+    from grt_megatron.hf.convert import export_checkpoint, import_hf
+
+    ckpt = import_hf(exported["tp2"], tmp_path / "imported" / "checkpoints" / "step_00000000", progress=False)
+    again = export_checkpoint(ckpt, tmp_path / "again", progress=False)
+    first, second = load_file(str(exported["tp2"] / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert first.keys() == second.keys()
+    for name in first:
+        assert first[name].dtype == second[name].dtype and torch.equal(first[name], second[name]), name
+    assert json.loads((again / "config.json").read_text()) == json.loads((exported["tp2"] / "config.json").read_text())
+    with pytest.raises(Exception, match="exists; refusing to overwrite"):
+        export_checkpoint(ckpt, again, progress=False)
+    # The imported checkpoint fine-tunes in another layout (PP 2 here, saved as one process).
+    proc = run_cli(["model=tiny", "model.core_layers=2", "model.recurrences=3", "model.tie_embeddings=false",
+                    f"data={pydoc_prefix[0]}", "train.iters=2", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_iters=1",
+                    "parallel.pp=2", "deepspeed.zero_stage=1", *QUIET, f"run.dir={tmp_path / 'ft'}", f"resume={ckpt}"],
+                   launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master_port={next(PORT)}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {ckpt} at step 0" in proc.stdout and "resharded, RNG states reseeded" in proc.stdout
+
+
+def test_grt_generate_gives_the_same_tokens_from_checkpoint_and_export(trained, exported):
+    # Not this test process's world of one (its port is taken): the CLI starts its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+
+    def generate(*args):
+        proc = subprocess.run([sys.executable, "-m", "grt_megatron.generation", *args, "--prompt", "def main",
+                               "--max-new-tokens", "16", "--greedy"], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    from_checkpoint = generate("--checkpoint", str(trained["tp2"]))
+    assert from_checkpoint == generate("--hf", str(exported["tp2"]))
+    assert from_checkpoint.startswith("def main") and len(set(from_checkpoint)) > 5
+    proc = subprocess.run([sys.executable, "-m", "grt_megatron.hf.convert", "--checkpoint", str(REPO),
+                           "--output", str(exported["tp2"].parent / "x")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "grt-convert-hf: error:" in proc.stderr and "not a grt-megatron checkpoint" in proc.stderr
