@@ -134,17 +134,28 @@ def test_export_import_export_is_identical_and_imports_train(exported, pydoc_pre
     from grt_megatron.hf.convert import export_checkpoint, import_hf
 
     ckpt = import_hf(exported["tp2"], tmp_path / "imported" / "checkpoints" / "step_00000000", progress=False)
-    again = export_checkpoint(ckpt, tmp_path / "again", progress=False)
-    first, second = load_file(str(exported["tp2"] / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    again = export_checkpoint(ckpt, tmp_path / "again", max_shard_size="1MB", progress=False)
+    assert len(json.loads((again / "model.safetensors.index.json").read_text())["weight_map"]) > 0  # sharded
+    first = load_file(str(exported["tp2"] / "model.safetensors"))
+    second = {}
+    for shard in sorted(again.glob("model-*.safetensors")):
+        second.update(load_file(str(shard)))
     assert first.keys() == second.keys()
     for name in first:
         assert first[name].dtype == second[name].dtype and torch.equal(first[name], second[name]), name
     assert json.loads((again / "config.json").read_text()) == json.loads((exported["tp2"] / "config.json").read_text())
     with pytest.raises(Exception, match="exists; refusing to overwrite"):
         export_checkpoint(ckpt, again, progress=False)
+    # ... and the sharded folder imports to the same checkpoint tensors.
+    from safetensors.torch import load_file as load
+
+    twice = import_hf(again, tmp_path / "twice" / "checkpoints" / "step_00000000", progress=False)
+    a, b = load(str(ckpt / "model-tp00-pp00.safetensors")), load(str(twice / "model-tp00-pp00.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # The imported checkpoint fine-tunes in another layout (PP 2 here, saved as one process).
     proc = run_cli(["model=tiny", "model.core_layers=2", "model.recurrences=3", "model.tie_embeddings=false",
-                    f"data={pydoc_prefix[0]}", "train.iters=2", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_iters=1",
+                    f"data={pydoc_prefix[0]}", "train.iters=2", "train.global_batch_size=4",
+                    "train.micro_batch_size=2", "train.eval_iters=1",
                     "parallel.pp=2", "deepspeed.zero_stage=1", *QUIET, f"run.dir={tmp_path / 'ft'}", f"resume={ckpt}"],
                    launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                              f"--master_port={next(PORT)}"])
@@ -169,4 +180,5 @@ def test_grt_generate_gives_the_same_tokens_from_checkpoint_and_export(trained, 
     assert from_checkpoint.startswith("def main") and len(set(from_checkpoint)) > 5
     proc = subprocess.run([sys.executable, "-m", "grt_megatron.hf.convert", "--checkpoint", str(REPO),
                            "--output", str(exported["tp2"].parent / "x")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "grt-convert-hf: error:" in proc.stderr and "not a grt-megatron checkpoint" in proc.stderr
+    assert proc.returncode == 2 and "grt-convert-hf: error:" in proc.stderr
+    assert "not a grt-megatron checkpoint" in proc.stderr
