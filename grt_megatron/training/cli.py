@@ -57,7 +57,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         return
     if result.stopped_by:
         print(f"stopped by {result.stopped_by} at step {result.steps}: checkpoint {result.checkpoint} saved; "
-              "exiting 0 so the scheduler can requeue (resume=auto continues)")
+              "exiting 0 (resume=auto continues)")
     else:
         print(f"done: {result.steps} steps in {result.seconds:.1f} s; final train loss "
               f"{result.final_train_loss:.4f}, valid loss {result.final_valid_loss:.4f}; "

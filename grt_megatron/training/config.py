@@ -43,6 +43,9 @@ class TrainConfig:
     log_interval: int = 1
     eval_interval: int = 1000
     eval_iters: int = 10
+    exit_interval: Optional[int] = None
+    """Save and exit (status 0) after every step that is a multiple of this, before `iters`: one job of a
+    chain of jobs (`grt-submit --chain`) trains this many steps."""
     sample_tokens: int = 0
     """Print a sample of this many tokens at the end of training (0: none)."""
     sample_prompt: str = ""
@@ -182,6 +185,8 @@ def build_run_config(cfg: DictConfig | dict) -> RunConfig:
     for key in ("iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_interval", "eval_iters"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    if t.exit_interval is not None and t.exit_interval < 1:
+        raise ConfigError(f"train.exit_interval must be >= 1, got {t.exit_interval}")
     c = run.checkpoint
     if c.interval < 0 or c.keep_last < 1 or (c.keep_every is not None and c.keep_every < 1):
         raise ConfigError(f"checkpoint.interval must be >= 0 and checkpoint.keep_last / keep_every >= 1, got "

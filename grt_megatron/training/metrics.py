@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,8 +28,13 @@ class MetricsLogger:
         if enabled and mode != "disabled":
             import wandb as wandb_lib
 
-            self._wandb = wandb_lib.init(project=project, name=name, dir=str(run_dir), mode=mode,
-                                         config=config, reinit="finish_previous")
+            # One wandb run for the whole run directory, across resumes and requeues: its id is kept in
+            # the run directory and the run is resumed by that id.
+            id_file = Path(run_dir) / "wandb_run_id"
+            if not id_file.exists():
+                id_file.write_text(secrets.token_hex(4))
+            self._wandb = wandb_lib.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config,
+                                         id=id_file.read_text().strip(), resume="allow", reinit="finish_previous")
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -37,15 +43,24 @@ class MetricsLogger:
         self._file.flush()
         if self._wandb is not None:
             prefix = record.get("split", "train")
-            self._wandb.log({f"{prefix}/{k}": v for k, v in record.items() if k not in ("step", "split")},
-                            step=record["step"])
+            self._wandb_call(self._wandb.log, {f"{prefix}/{k}": v for k, v in record.items()
+                                               if k not in ("step", "split")}, step=record["step"])
+
+    def _wandb_call(self, fn, *args, **kwargs) -> None:
+        """wandb never stops training: its service process can die before the trainer (a scheduler's
+        SIGTERM reaches every process of a job step); the run then goes on with metrics.jsonl only."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - any wandb failure
+            print(f"wandb failed ({type(err).__name__}: {err}); logging to metrics.jsonl only", flush=True)
+            self._wandb = None
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._wandb is not None:
-            self._wandb.finish()
+            self._wandb_call(self._wandb.finish)
             self._wandb = None
 
 

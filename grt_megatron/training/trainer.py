@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -67,6 +68,14 @@ class TrainResult:
     stopped_by: Optional[str] = None
     """The signal that ended training early (after a checkpoint), if any."""
     checkpoint: Optional[Path] = None
+
+
+def slurm_job() -> dict:
+    """The SLURM job this process runs in, and how many times it was requeued (empty outside SLURM)."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return {}
+    return {"job_id": os.environ["SLURM_JOB_ID"], "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+            "nodes": os.environ.get("SLURM_JOB_NODELIST")}
 
 
 def check_resume(saved: dict, cfg: RunConfig, model: dict, announce: bool) -> int:
@@ -159,7 +168,10 @@ class Trainer:
             self._resume()
         self.last_step = self.start_step
         self.logger = MetricsLogger(self.run_dir, self.info.is_main, cfg.logging.wandb,
-                                    cfg.logging.wandb_project, cfg.run.name, cfg.to_dict())
+                                    cfg.logging.wandb_project, cfg.run.name, {**cfg.to_dict(), "slurm": slurm_job()})
+        job = slurm_job()
+        if self.info.is_main and job:
+            print(f"SLURM job {job['job_id']}, restart {job['restart_count']}", flush=True)
         if self.info.is_main:
             self._write_run_info()
             self.tokenizer.save(self.run_dir / self.tokenizer.file_name)
@@ -277,6 +289,7 @@ class Trainer:
             "train_samples": len(self.data.datasets.train),
             "valid_samples": len(self.data.valid_rows),
             "world_size": self.info.world_size,
+            "slurm": slurm_job(),
         }
         tmp = self.run_dir / "run_info.json.tmp"
         tmp.write_text(json.dumps(info, indent=2))
@@ -383,6 +396,9 @@ class Trainer:
                 if every and step % every == 0:
                     checkpoint = self.save(step, "interval")
                 stopped_by = self._stop_requested()
+                exit_every = cfg.train.exit_interval
+                if not stopped_by and exit_every and step % exit_every == 0 and step < cfg.train.iters:
+                    stopped_by = "train.exit_interval"
                 if stopped_by:
                     if self.last_saved != step:
                         checkpoint = self.save(step, stopped_by)

@@ -1,0 +1,150 @@
+"""`grt-submit`: render `slurm/train.sbatch.in` for a run and submit it with sbatch (or print it).
+
+    grt-submit --preset medium_grt_isoflops --run-dir /scratch/$USER/grt-medium --partition gpu --account abc
+    grt-submit --run-dir runs/tiny --nodes 1 --procs-per-node 2 --time 00:30:00 --dry-run -- \
+        model=tiny data=runs/demo/data/corpus train.iters=300 checkpoint.interval=50
+
+Everything after `--` goes to grt-train. Every job resumes with `resume=auto`, saves and requeues itself on
+USR1 (sent `--signal-seconds` before the time limit), and `--chain N` submits N jobs that run one after the
+other (`--dependency=singleton`) for runs longer than the time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
+TEMPLATE = SLURM_DIR / "train.sbatch.in"
+PRESETS = SLURM_DIR / "presets.yaml"
+DEFAULTS = dict(nodes=1, procs_per_node=1, gpus_per_node=0, launcher="torchrun", time="24:00:00",
+                signal_seconds=300, cpus_per_task=None, partition=None, account=None, qos=None, chain=1,
+                job_name=None, overrides=[], env=[])
+
+
+class SubmitError(ValueError):
+    pass
+
+
+def load_presets(path: Path = PRESETS) -> dict:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def resolve(args: argparse.Namespace) -> dict:
+    """Defaults, then the preset, then what was given on the command line."""
+    settings = dict(DEFAULTS)
+    if args.preset:
+        presets = load_presets()
+        if args.preset not in presets:
+            raise SubmitError(f"--preset {args.preset!r} is not one of {', '.join(sorted(presets))} ({PRESETS})")
+        unknown = set(presets[args.preset]) - set(DEFAULTS)
+        if unknown:
+            raise SubmitError(f"{PRESETS}: preset {args.preset} has unknown keys {sorted(unknown)}")
+        settings.update(presets[args.preset])
+    for key in DEFAULTS:
+        value = getattr(args, key, None)
+        if value is not None and value != []:
+            settings[key] = value
+    settings["overrides"] = list(settings["overrides"]) + list(args.grt_train_args or [])
+    if settings["launcher"] not in ("torchrun", "srun"):
+        raise SubmitError(f"--launcher {settings['launcher']!r} is not one of torchrun, srun")
+    for key in ("nodes", "procs_per_node", "chain"):
+        if int(settings[key]) < 1:
+            raise SubmitError(f"--{key.replace('_', '-')} must be >= 1, got {settings[key]}")
+    for item in settings["env"]:
+        if "=" not in item:
+            raise SubmitError(f"--env {item!r} is not NAME=VALUE")
+    for arg in settings["overrides"]:
+        if arg.split("=", 1)[0] in ("run.dir", "resume"):
+            raise SubmitError(f"{arg}: grt-submit sets run.dir (from --run-dir) and resume=auto itself")
+    return settings
+
+
+def render(run_dir: Path, settings: dict, python: str = sys.executable) -> str:
+    procs = int(settings["procs_per_node"])
+    torchrun = settings["launcher"] == "torchrun"
+    cpus = settings["cpus_per_task"] or (procs if torchrun else 1)
+    extra = [f"#SBATCH --{flag}={settings[key]}" for flag, key in
+             (("partition", "partition"), ("account", "account"), ("qos", "qos")) if settings[key]]
+    if int(settings["gpus_per_node"]):
+        extra.append(f"#SBATCH --gpus-per-node={settings['gpus_per_node']}")
+    if int(settings["chain"]) > 1:
+        extra.append("#SBATCH --dependency=singleton")
+    env = [f"export OMP_NUM_THREADS={max(1, int(cpus) // procs if torchrun else int(cpus))}",
+           "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # a failed collective ends the job instead of hanging it"]
+    env += [f"export {shlex.quote(item.split('=', 1)[0])}={shlex.quote(item.split('=', 1)[1])}"
+            for item in settings["env"]]
+    fields = {
+        "JOB_NAME": settings["job_name"] or f"grt-{run_dir.name}", "NODES": settings["nodes"],
+        "TASKS_PER_NODE": 1 if torchrun else procs, "CPUS_PER_TASK": cpus, "TIME": settings["time"],
+        "RUN_DIR": shlex.quote(str(run_dir)), "SIGNAL_SECONDS": settings["signal_seconds"],
+        "SBATCH_EXTRA": "\n".join(extra), "LAUNCHER": settings["launcher"], "PROCS_PER_NODE": procs,
+        "ENV": "\n".join(env), "PYTHON": shlex.quote(python),
+        "OVERRIDES": " ".join(shlex.quote(o) for o in settings["overrides"]),
+    }
+    text = TEMPLATE.read_text()
+    for key, value in fields.items():
+        text = text.replace(f"@@{key}@@", str(value))
+    return text
+
+
+def submit(script: Path, chain: int) -> list[str]:
+    ids = []
+    for _ in range(chain):
+        proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+        if proc.returncode:
+            raise SubmitError(f"sbatch {script}: {proc.stderr.strip() or proc.stdout.strip()}")
+        ids.append(proc.stdout.strip().split(";")[0])
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="grt-submit", description=__doc__.split("\n\n")[0],
+                                     epilog="grt-train overrides follow `--`.")
+    parser.add_argument("--run-dir", required=True, help="the run directory (shared by every node)")
+    parser.add_argument("--preset", help=f"a named set of the options below ({PRESETS.name})")
+    parser.add_argument("--nodes", type=int)
+    parser.add_argument("--procs-per-node", type=int, help="training processes per node (GPUs per node)")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs to request per node (0: no GPU request)")
+    parser.add_argument("--launcher", choices=("torchrun", "srun"))
+    parser.add_argument("--time", help="time limit, HH:MM:SS or D-HH:MM:SS")
+    parser.add_argument("--signal-seconds", type=int, help="USR1 this long before the time limit (save + requeue)")
+    parser.add_argument("--cpus-per-task", type=int)
+    parser.add_argument("--partition")
+    parser.add_argument("--account")
+    parser.add_argument("--qos")
+    parser.add_argument("--chain", type=int, help="submit N jobs that run one after another (singleton)")
+    parser.add_argument("--job-name")
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE exported in the job (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
+    args = parser.parse_args(argv)
+    args.grt_train_args = train_args
+    try:
+        settings = resolve(args)
+        run_dir = Path(args.run_dir).resolve()
+        script = render(run_dir, settings)
+        if args.dry_run:
+            print(script)
+            return 0
+        (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+        path = run_dir / "slurm" / "job.sbatch"
+        path.write_text(script)
+        ids = submit(path, int(settings["chain"]))
+    except SubmitError as err:
+        print(f"grt-submit: error: {err}", file=sys.stderr)
+        return 2
+    print(f"submitted {','.join(ids)} ({path}); log: {run_dir / 'slurm.log'}; "
+          f"watch: squeue -j {','.join(ids)}; checkpoints: grt-ckpt ls {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
