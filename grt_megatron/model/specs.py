@@ -1,4 +1,5 @@
-"""ModuleSpecs for the GRT block: megatron-core's local (pure PyTorch) layer spec plus parallel linears.
+"""ModuleSpecs for the GRT block: megatron-core's local (pure PyTorch) layer spec, with torch's fused
+attention kernel as its core attention, plus parallel linears.
 
 The local spec runs on CPU and GPU alike; a Transformer-Engine spec can be swapped in here without
 touching the model math.
@@ -7,8 +8,11 @@ touching the model math.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -34,6 +38,40 @@ class TorchNorm:
         return norm
 
 
+class SDPACoreAttention(MegatronModule):
+    """megatron-core's core-attention contract (q, k, v [s, b, heads, head_dim] -> [s, b, heads·head_dim])
+    through torch's `scaled_dot_product_attention`: one fused kernel (flash / memory-efficient on GPU, a
+    fused CPU kernel) instead of the local spec's baddbmm + masked softmax + dropout + bmm, which cost
+    grt-megatron 13% of a tiny model's CPU step against plain PyTorch (`tools/bench/overhead.py`).
+    Every GRT attention is causal, so the mask is the kernel's own (`is_causal`), not the one passed."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type=None, attention_type=None,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim), as megatron's default
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SDPACoreAttention supports neither attention_bias nor packed sequences")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, head_dim]
+        if k.shape[1] != q.shape[1]:  # grouped-query attention
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        p = self.dropout if self.training else 0.0
+
+        def attend():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale)
+
+        if p > 0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():  # dropout differs across TP ranks' heads
+                out = attend()
+        else:
+            out = attend()
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
 def get_norm_spec() -> type:
     return TorchNorm
 
@@ -41,6 +79,7 @@ def get_norm_spec() -> type:
 def get_layer_spec(config: GRTConfig) -> ModuleSpec:
     """megatron-core's local GPT layer with our norms (the local spec's torch norm refuses SP)."""
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     spec.submodules.input_layernorm = get_norm_spec()
     spec.submodules.pre_mlp_layernorm = get_norm_spec()
     return spec

@@ -94,6 +94,9 @@ class LoggingConfig:
     """auto (online with WANDB_API_KEY, else offline), online, offline, disabled."""
     wandb_project: str = "grt-megatron"
     progress: bool = True
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device at the run's precision, for MFU (model FLOPs utilisation); None:
+    known for common GPUs (`grt_megatron.training.metrics.PEAK_TFLOPS`), not reported on CPU."""
 
 
 @dataclass

@@ -8,6 +8,25 @@ import secrets
 from pathlib import Path
 from typing import Any, Optional
 
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name substring; fp32 runs use TF32's.
+PEAK_TFLOPS = {"bf16": {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0},
+               "fp32": {"H200": 494.0, "H100": 494.0, "A100": 156.0, "L40S": 181.0, "A10G": 35.0}}
+
+
+def peak_flops_per_device(precision: str, configured_tflops: Optional[float]) -> Optional[float]:
+    """Peak FLOP/s of this process's device, for MFU: the configured value, else a known GPU's, else None."""
+    if configured_tflops:
+        return configured_tflops * 1e12
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, tflops in PEAK_TFLOPS[precision].items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
 
 def wandb_mode(requested: str) -> str:
     if requested == "auto":

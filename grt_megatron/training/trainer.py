@@ -54,7 +54,7 @@ from grt_megatron.training.data import (
     setup_training_data,
 )
 from grt_megatron.training.engine import MegatronMPU, batch_layout, build_engine
-from grt_megatron.training.metrics import MetricsLogger
+from grt_megatron.training.metrics import MetricsLogger, peak_flops_per_device
 
 
 @dataclass
@@ -176,6 +176,7 @@ class Trainer:
             self._write_run_info()
             self.tokenizer.save(self.run_dir / self.tokenizer.file_name)
         self._stop_signal: Optional[int] = None
+        self.peak_flops = peak_flops_per_device(cfg.train.precision, cfg.logging.peak_tflops)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _select_checkpoint(self) -> tuple[Optional[Path], Optional[dict]]:
@@ -434,9 +435,14 @@ class Trainer:
             "tokens_per_s": tokens_per_step / seconds,
             "flops_per_s": stats["flops_per_token"] * tokens_per_step / seconds,
         }
+        if self.peak_flops:  # model FLOPs (executed R) over the peak of every device in the world
+            record["mfu"] = record["flops_per_s"] / (self.peak_flops * self.info.world_size)
         if step % cfg.train.log_interval == 0 or step == cfg.train.iters:
             self.logger.log(record)
-        progress.set_postfix(loss=f"{loss:.3f}", R=stats["recurrences"], refresh=False)
+        postfix = {"loss": f"{loss:.3f}", "R": stats["recurrences"], "tok/s": f"{record['tokens_per_s']:.0f}"}
+        if "mfu" in record:
+            postfix["MFU"] = f"{100 * record['mfu']:.1f}%"
+        progress.set_postfix(postfix, refresh=False)
         if step % cfg.train.eval_interval == 0 or step == cfg.train.iters:
             valid = self.evaluate()
             self.logger.log({"step": step, "split": "valid", "loss": valid,

@@ -1,0 +1,89 @@
+"""Tokens/s and model FLOPs utilisation (MFU) of one training step on one device, bf16, through the
+framework (megatron-core layers, DeepSpeed ZeRO 0). For a GPU; on a CPU it runs to check the script.
+
+    python tools/bench/gpu_mfu.py [--model medium_grt_isoflops] [--batch 8] [--steps 20] [--peak-tflops 989]
+
+FLOPs are the model's (executed R, gate and projection counted; `grt_megatron.model.flops`). The peak is
+`--peak-tflops`, else the known peak of the GPU (`grt_megatron.training.metrics.PEAK_TFLOPS`).
+Writes tools/bench/results/gpu_mfu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from grt_megatron.console import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from grt_megatron.distributed import init_distributed  # noqa: E402
+from grt_megatron.model import DepthDraw, GRTLanguageModel, train_flops_per_token  # noqa: E402
+from grt_megatron.training.config import build_run_config  # noqa: E402
+from grt_megatron.training.engine import build_engine  # noqa: E402
+from grt_megatron.training.metrics import peak_flops_per_device  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="medium_grt_isoflops")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--checkpoint-recurrence", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "gpu_mfu.json"))
+    args = parser.parse_args()
+    info = init_distributed(seed=0)
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        cfg = compose("train", overrides=[
+            f"model={args.model}", "model.depth_sampler=fixed", f"model.max_sequence_length={args.seq}",
+            f"model.checkpoint_recurrence={str(args.checkpoint_recurrence).lower()}",
+            f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
+            f"train.precision={args.precision}", "run.dir=unused"])
+    run = build_run_config(cfg)
+    model_cfg = run.model_config(50257)
+    engine = build_engine(GRTLanguageModel(model_cfg, init_seed=0).to(info.device), run, dp_size=1)
+    tokens = torch.randint(0, 50257, (args.batch, args.seq + 1), device=info.device)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    r = model_cfg.recurrences
+    times = []
+    for step in range(args.warmup + args.steps):
+        if info.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = engine(x, y, r, r, list(range(args.batch))).mean()
+        engine.backward(loss)
+        engine.step()
+        if info.device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    flops = train_flops_per_token(model_cfg, args.seq, DepthDraw(r, r)) * args.batch * args.seq / step_s
+    peak = peak_flops_per_device(args.precision, args.peak_tflops)
+    device = torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu"
+    row = {"model": args.model, "shape": model_cfg.shape_name, "device": device, "precision": args.precision,
+           "batch": args.batch, "seq_length": args.seq, "median_step_s": step_s,
+           "tokens_per_s": args.batch * args.seq / step_s, "model_flops_per_s": flops,
+           "mfu": None if peak is None else flops / peak,
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if info.device.type == "cuda" else None}
+    print(json.dumps(row, indent=2))
+    Path(args.output).write_text(json.dumps({"benchmark": "gpu_mfu", "date": time.strftime("%Y-%m-%d"),
+                                             "command": "python " + " ".join(sys.argv), **row}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Activation memory of a GRT training step as R grows, with and without per-recurrence checkpointing.
+
+    python tools/bench/memory_vs_r.py [--recurrences 2,4,8,16]
+
+Measured exactly, on any device: the bytes of every tensor autograd saves for backward during the forward
+pass (one count per storage; `torch.autograd.graph.saved_tensors_hooks`), plus, with checkpointing, the
+largest recompute of one recurrence during backward. Parameters, gradients and Adam state (fixed in R)
+are reported beside it. Target: with checkpointing, < 10% growth of the step's peak from R 4 to R 16.
+Prints a table and writes tools/bench/results/memory_vs_r.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import weakref
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from grt_megatron.console import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()
+
+import torch  # noqa: E402
+
+from grt_megatron.distributed import init_distributed  # noqa: E402
+from grt_megatron.model import GRTConfig, GRTLanguageModel  # noqa: E402
+
+
+class SavedBytes:
+    """Counts the storage bytes autograd keeps alive for backward (each storage once, released when the
+    last tensor saved on it is freed); tracks the peak over forward and backward."""
+
+    def __init__(self):
+        self.live: dict[int, list[int]] = {}  # storage -> [bytes, tensors saved on it]
+        self.total = self.peak = 0
+
+    def pack(self, t: torch.Tensor):
+        key = t.untyped_storage().data_ptr()
+        if key not in self.live:
+            self.live[key] = [t.untyped_storage().nbytes(), 0]
+            self.total += self.live[key][0]
+            self.peak = max(self.peak, self.total)
+        self.live[key][1] += 1
+        weakref.finalize(t, self._release, key)
+        return t
+
+    def _release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.total -= entry[0]
+            del self.live[key]
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def measure(recurrences: int, checkpoint: bool, batch: int, seq: int, width: int, vocab: int) -> dict:
+    config = GRTConfig.from_recipe(dict(
+        hidden_size=width, num_attention_heads=4, vocab_size=vocab, max_sequence_length=seq, prelude_layers=1,
+        core_layers=1, coda_layers=1, recurrences=recurrences, depth_sampler="fixed", add_bias_linear=False,
+        checkpoint_recurrence=checkpoint))
+    model = GRTLanguageModel(config).train()
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    counter = SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        loss = model(tokens[:, :-1], tokens[:, 1:], recurrences, recurrences, list(range(batch))).mean()
+        after_forward = counter.total
+        loss.backward()  # a checkpointed recurrence re-saves its activations here, one at a time
+    states = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"recurrences": recurrences, "checkpoint_recurrence": checkpoint,
+            "saved_after_forward_bytes": after_forward, "activation_peak_bytes": counter.peak,
+            "parameter_grad_adam_bytes": 4 * states,  # weights, grads, exp_avg, exp_avg_sq (fp32)
+            "step_peak_bytes": counter.peak + 4 * states}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recurrences", default="2,4,8,16")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "memory_vs_r.json"))
+    args = parser.parse_args()
+    init_distributed(seed=0)
+    rs = [int(r) for r in args.recurrences.split(",")]
+    rows = [measure(r, ckpt, args.batch, args.seq, args.width, args.vocab)
+            for ckpt in (False, True) for r in rs]
+    mib = 2**20
+    print(f"GRT 1+1×R+1, d {args.width}, vocab {args.vocab}, batch {args.batch} × {args.seq} tokens, fp32")
+    print(f"{'R':>4}{'checkpoint':>12}{'activations MiB':>17}{'step peak MiB':>15}")
+    for r in rows:
+        print(f"{r['recurrences']:>4}{str(r['checkpoint_recurrence']):>12}{r['activation_peak_bytes'] / mib:>17.1f}"
+              f"{r['step_peak_bytes'] / mib:>15.1f}")
+    growth = {}
+    for ckpt in (False, True):
+        by_r = {r["recurrences"]: r for r in rows if r["checkpoint_recurrence"] == ckpt}
+        if 4 in by_r and 16 in by_r:
+            growth["with" if ckpt else "without"] = by_r[16]["step_peak_bytes"] / by_r[4]["step_peak_bytes"] - 1
+    for k, v in growth.items():
+        print(f"step peak growth R 4 -> 16 {k} checkpointing: {100 * v:+.1f}%")
+    out = Path(args.output)
+    out.write_text(json.dumps({"benchmark": "memory_vs_r", "date": time.strftime("%Y-%m-%d"),
+                               "command": "python " + " ".join(sys.argv), "width": args.width,
+                               "vocab": args.vocab, "batch": args.batch,
+                               "seq_length": args.seq, "results": rows,
+                               "step_peak_growth_r4_to_r16": growth, "target_growth_with_checkpointing": 0.10},
+                              indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

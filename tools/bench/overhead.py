@@ -1,0 +1,107 @@
+"""Framework overhead: the same GRT training step in grt-megatron (megatron-core layers, DeepSpeed ZeRO 0,
+one process) and in plain PyTorch (the exported `modeling_grt.py`: torch modules, torch AdamW, torch's grad
+clipping), at the same shape, batch and weights.
+
+    python tools/bench/overhead.py [--shapes tiny,small] [--steps 20]
+
+Target: grt-megatron ≤ 1.10× the plain step. Both run their full R in fp32; grt-megatron also draws its
+per-sample training noise (plain PyTorch's model has none), which is part of what is measured.
+Prints a table and writes tools/bench/results/overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from grt_megatron.console import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()
+
+import torch  # noqa: E402
+
+from grt_megatron.distributed import init_distributed  # noqa: E402
+from grt_megatron.hf.convert import build_hf_model  # noqa: E402
+from tools.bench.step_time import make  # noqa: E402
+
+VOCAB = 2048
+SHAPES = {"tiny": ("tiny", None), "small": ("small_grt_isoflops", 256)}
+
+
+def plain_step(model, optimizer, x, y):
+    logits = model(x, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="tiny,small")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "overhead.json"))
+    args = parser.parse_args()
+    init_distributed(seed=0)
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    from grt_megatron.training.engine import MegatronMPU
+
+    results = []
+    for shape in args.shapes.split(","):
+        recipe, width = SHAPES[shape]
+        run, cfg, engine = make(recipe, args.batch, seed=0, width=width)
+        weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()
+                   if torch.is_tensor(v) and not k.endswith("_extra_state")}
+        plain = build_hf_model(weights, cfg.to_dict()).train()
+        for p in plain.parameters():
+            p.requires_grad_(True)
+        t = run.train
+        optimizer = torch.optim.AdamW(plain.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps,
+                                      weight_decay=t.weight_decay)
+        seq = cfg.max_sequence_length
+        tokens = torch.randint(0, VOCAB, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        times = {"grt-megatron": [], "plain PyTorch": []}
+        for step in range(args.warmup + args.steps):
+            start = time.perf_counter()
+            loss = engine(x, y, cfg.recurrences, cfg.recurrences, list(range(args.batch))).mean()
+            engine.backward(loss)
+            clip_grad_norm_(list(engine.module.parameters()), t.grad_clip, mpu=MegatronMPU())
+            engine.step()
+            middle = time.perf_counter()
+            plain_step(plain, optimizer, x, y)
+            end = time.perf_counter()
+            if step >= args.warmup:
+                times["grt-megatron"].append(middle - start)
+                times["plain PyTorch"].append(end - middle)
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        row = {"shape": shape, "model": cfg.shape_name, "hidden_size": cfg.hidden_size, "batch": args.batch,
+               "seq_length": seq, "median_step_s": medians,
+               "framework_over_plain_step_time": medians["grt-megatron"] / medians["plain PyTorch"]}
+        results.append(row)
+        print(f"\n{shape} ({cfg.shape_name}, d {cfg.hidden_size}): batch {args.batch} × {seq}, median of "
+              f"{args.steps} steps (CPU, fp32)")
+        for k, v in medians.items():
+            print(f"  {k:<16}{1e3 * v:>9.1f} ms")
+        print(f"  grt-megatron / plain: {row['framework_over_plain_step_time']:.3f} (target <= 1.10)")
+    out = Path(args.output)
+    out.write_text(json.dumps({"benchmark": "overhead", "date": time.strftime("%Y-%m-%d"),
+                               "torch": torch.__version__, "threads": torch.get_num_threads(),
+                               "command": "python " + " ".join(sys.argv), "target": 1.10,
+                               "results": results}, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
