@@ -2,7 +2,7 @@
 iso-FLOPs and iso-params, with the per-recurrence cache and with K/V averaging; plus the analytic peak
 decode memory (weights + cache) of the paper's large shapes.
 
-    python tools/bench/decoding.py [--width 256] [--new-tokens 64] [--compile]
+    python tools/bench/decoding.py [--width 256] [--new-tokens 48] [--compile]
 
 Measured shapes are the small ones scaled to `--width` (random weights: latency does not depend on them):
 GRT 1+1×10+1, dense 12 layers (iso-FLOPs) and dense 3 layers (iso-params, as many unique layers).
@@ -112,6 +112,11 @@ def main() -> None:
               "grt_over_dense_iso_params_latency": pick(grt)["ms_per_token"] / pick(iso_params)["ms_per_token"],
               "average_over_full_cache_bytes": pick(grt, "average")["cache_bytes"] / pick(grt)["cache_bytes"],
               "average_over_full_latency": pick(grt, "average")["ms_per_token"] / pick(grt)["ms_per_token"]}
+    if args.compile:
+        ratios["grt_over_dense_iso_flops_latency_compiled"] = (pick(grt, mode="compiled")["ms_per_token"]
+                                                               / pick(iso_flops, mode="compiled")["ms_per_token"])
+        ratios["compiled_over_eager_latency_grt"] = (pick(grt, mode="compiled")["ms_per_token"]
+                                                     / pick(grt)["ms_per_token"])
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}")
     large = analytic_large(args.context)
