@@ -47,6 +47,9 @@ def test_metrics_jsonl_is_complete(shakespeare_run):
     assert steps[0]["lr"] < steps[29]["lr"]  # warmup
     valid = [r for r in records if r.get("split") == "valid"]
     assert [r["step"] for r in valid] == [40, 80] and all(r["recurrences"] == 4 for r in valid)
+    for r in valid:  # gate diagnostics per recurrence: the gate starts near sigmoid(4) and the state moves
+        gates = [r[f"gate_mean_r{i}"] for i in range(1, 5)]
+        assert all(0.5 < g < 1 for g in gates) and all(r[f"relative_update_r{i}"] > 0 for i in range(1, 5))
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["model_shape"] == "1+1x4+1" and info["parameters"] > 0
     assert len(info["tokenizer"]["sha256"]) == 64 and info["tokenizer"]["vocab_size"] == 2048

@@ -111,6 +111,9 @@ def hf_config_kwargs(model: dict) -> dict:
     if model["initial_state"] != "prelude":
         raise CheckpointError(f"model.initial_state={model['initial_state']!r}: the export supports only "
                               "'prelude' (a random initial state is not reproducible token by token)")
+    if model["gate"] not in ("mlp", "none"):
+        raise CheckpointError(f"model.gate={model['gate']!r} (an ablation) is not supported by the Hugging Face "
+                              "export; export models with gate mlp or none")
     d = model["hidden_size"]
     return dict(
         vocab_size=model["vocab_size"], hidden_size=d, num_attention_heads=model["num_attention_heads"],

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 INJECTIONS = ("concat_project", "add", "none")
-GATES = ("mlp", "none")
+GATES = ("mlp", "none", "residual", "fixed")
 NOISE_SHAPES = ("per_token", "per_element")
 INITIAL_STATES = ("prelude", "random")
 POSITION_EMBEDDINGS = ("learned", "rope")
@@ -59,7 +59,9 @@ class GRTConfig(TransformerConfig):
     (h+eps+h_pre) or `none` (h+eps)."""
 
     gate: str = "mlp"
-    """`mlp`: h_r = g*h + (1-g)*o with g = sigmoid(MLP([LN(h), LN(h_pre)])/tau + eps); `none`: h_r = o."""
+    """`mlp`: h_r = g*h + (1-g)*o with g = sigmoid(MLP([LN(h), LN(h_pre)])/tau + eps); `none`: h_r = o.
+    Ablations without a learned gate: `residual`: h_r = h + o; `fixed`: g = sigmoid(gate_bias_init/tau),
+    a constant step size (what an `mlp` gate that never learns amounts to)."""
 
     gate_bias_init: float = 4.0
     gate_temperature: float = 1.0

@@ -8,7 +8,8 @@ This file is the GRT math. Everything else (embeddings, loss, parallelism, train
         o_r = Core(x_r)
         a_r = W_2 · silu(W_1 · [LN_a(h_{r-1}), LN_b(h_pre)] + b_1) + b_2      (b_2 = +4 at init)
         g_r = sigmoid(a_r / tau + eps_g)                            gate: mlp
-        h_r = g_r * h_{r-1} + (1 - g_r) * o_r
+        h_r = g_r * h_{r-1} + (1 - g_r) * o_r                       (none: o_r; residual: h_{r-1} + o_r;
+                                                                     fixed: g = sigmoid(b_2 / tau), not learned)
     out = Coda(h_R)
 
 eps_x, eps_g ~ N(0, sigma²), fresh at every step, in training only. With `gate="none"` the update is
@@ -186,6 +187,11 @@ class GatedRecurrentBlock(MegatronModule):
         o = self._run(self.core, x, inputs)
         if cfg.gate == "none":
             g, h_new = None, o
+        elif cfg.gate == "residual":
+            g, h_new = None, h + o
+        elif cfg.gate == "fixed":
+            g = torch.sigmoid(torch.tensor(cfg.gate_bias_init / cfg.gate_temperature, dtype=h.dtype, device=h.device))
+            h_new = g * h + (1 - g) * o
         else:
             a, _ = self.gate_fc1(torch.cat([self.gate_norm_state(h), self.gate_norm_prelude(h_pre)], dim=-1))
             a, _ = self.gate_fc2(F.silu(a))

@@ -360,10 +360,15 @@ class Trainer:
         self.engine.eval()
         mine = self.data.valid_rows[self.info.dp_rank :: self.info.dp_size]
         sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)  # loss sum, token count
+        block = self.engine.module.block
         for start in range(0, len(mine), self.micro_batch):
             tokens, labels = self._to_device(mine[start : start + self.micro_batch])
+            block.step_stats = [] if start == 0 else None  # gate diagnostics from the first micro-batch
             loss = self.engine(tokens, labels)
+            if start == 0:
+                self.eval_step_stats = block.step_stats
             sums += torch.stack([loss.double().sum(), torch.tensor(loss.numel(), dtype=torch.float64)])
+        block.step_stats = None
         self.engine.train()
         if self.info.dp_size > 1:
             dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
@@ -444,10 +449,15 @@ class Trainer:
             postfix["MFU"] = f"{100 * record['mfu']:.1f}%"
         progress.set_postfix(postfix, refresh=False)
         if step % cfg.train.eval_interval == 0 or step == cfg.train.iters:
+            self.eval_step_stats = []
             valid = self.evaluate()
+            # Per recurrence: the mean gate value and ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ — does the gate learn,
+            # does the state still move (first validation micro-batch; not with pipeline stages).
+            gates = {f"{key}_r{r + 1}": value for r, stats in enumerate(self.eval_step_stats or [])
+                     for key, value in stats.items() if value == value}  # NaN: no gate in this model
             self.logger.log({"step": step, "split": "valid", "loss": valid,
                              "perplexity": float(np.exp(min(valid, 50.0))),
-                             "recurrences": self.model_config.recurrences})
+                             "recurrences": self.model_config.recurrences, **gates})
             if self.info.is_main:
                 progress.write(f"step {step}: train loss {loss:.4f}, valid loss {valid:.4f} "
                                f"(R={self.model_config.recurrences})")
