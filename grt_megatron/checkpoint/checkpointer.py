@@ -31,7 +31,7 @@ from grt_megatron.checkpoint.state import (
     partition_dim,
     split_tp,
 )
-from grt_megatron.checkpoint.store import TRAINER_STATE, PendingSave, file_entry, fsync_file, prune, write_file
+from grt_megatron.checkpoint.store import TRAINER_STATE, PendingSave, prune, write_file
 
 
 def shard_name(tp_rank: int, pp_rank: int) -> str:
@@ -75,10 +75,7 @@ def save_checkpoint(root: Path, step: int, engine, pipelined: bool, tokenizer, t
         state = {**trainer_state, "optimizer_steps": optimizer.step_count(),
                  "lr_scheduler": {k: v for k, v in engine.lr_scheduler.state_dict().items() if k != "lr_lambdas"}}
         files[TRAINER_STATE] = write_file(pending.tmp / TRAINER_STATE, json.dumps(state, indent=2).encode())
-        saved = tokenizer.save(pending.tmp / tokenizer.file_name)  # a file, or a folder (HF tokenizers)
-        for file in ([saved] if saved.is_file() else sorted(p for p in saved.rglob("*") if p.is_file())):
-            fsync_file(file)
-            files[str(file.relative_to(pending.tmp))] = file_entry(file)
+        files.update(pending.add_tokenizer(tokenizer))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, files)
     final = pending.root / pending.name

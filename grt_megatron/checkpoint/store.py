@@ -209,6 +209,16 @@ class PendingSave:
             shutil.rmtree(stale, ignore_errors=True)
         self.tmp.mkdir()
 
+    def add_tokenizer(self, tokenizer) -> dict[str, dict[str, Any]]:
+        """Save the tokenizer into the checkpoint (a file, or a folder for HF tokenizers), fsynced;
+        returns the manifest entries of what it wrote."""
+        saved = tokenizer.save(self.tmp / tokenizer.file_name)
+        entries = {}
+        for file in ([saved] if saved.is_file() else sorted(p for p in saved.rglob("*") if p.is_file())):
+            fsync_file(file)
+            entries[str(file.relative_to(self.tmp))] = file_entry(file)
+        return entries
+
     def commit(self, files: dict[str, dict[str, Any]], permanent: bool) -> Path:
         """Rank 0, after every rank wrote: manifest, rename into place, then `latest`."""
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "files": dict(sorted(files.items()))}

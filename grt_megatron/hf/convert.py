@@ -106,6 +106,16 @@ def from_hf_state(hf: dict[str, torch.Tensor], model: dict, padded_vocab: int) -
     return out
 
 
+# grt-megatron model field -> HF config field: one table for both directions.
+_CONFIG_FIELDS = {name: name for name in (
+    "vocab_size", "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization", "activation",
+    "add_bias_linear", "layernorm_epsilon", "position_embedding", "rotary_base", "prelude_layers", "core_layers",
+    "coda_layers", "injection", "gate", "gate_temperature", "gate_bias_init", "initial_state", "depth_sampler",
+    "heavy_tail_sigma", "heavy_tail_k", "noise_sigma", "init_method_std")}
+_CONFIG_FIELDS.update(max_sequence_length="max_position_embeddings", recurrences="num_recurrences",
+                      tie_embeddings="tie_word_embeddings")
+
+
 def hf_config_kwargs(model: dict) -> dict:
     """HF `GRTConfig` fields from a grt-megatron model (`GRTConfig.to_dict()`)."""
     if model["initial_state"] != "prelude":
@@ -114,38 +124,15 @@ def hf_config_kwargs(model: dict) -> dict:
     if model["gate"] not in ("mlp", "none"):
         raise CheckpointError(f"model.gate={model['gate']!r} (an ablation) is not supported by the Hugging Face "
                               "export; export models with gate mlp or none")
-    d = model["hidden_size"]
-    return dict(
-        vocab_size=model["vocab_size"], hidden_size=d, num_attention_heads=model["num_attention_heads"],
-        ffn_hidden_size=model.get("ffn_hidden_size") or 4 * d, normalization=model["normalization"],
-        activation=model["activation"], add_bias_linear=model["add_bias_linear"],
-        layernorm_epsilon=model["layernorm_epsilon"], max_position_embeddings=model["max_sequence_length"],
-        position_embedding=model["position_embedding"], rotary_base=model["rotary_base"],
-        prelude_layers=model["prelude_layers"], core_layers=model["core_layers"], coda_layers=model["coda_layers"],
-        num_recurrences=model["recurrences"], injection=model["injection"], gate=model["gate"],
-        gate_temperature=model["gate_temperature"], gate_bias_init=model["gate_bias_init"],
-        initial_state=model["initial_state"], depth_sampler=model["depth_sampler"],
-        heavy_tail_sigma=model["heavy_tail_sigma"], heavy_tail_k=model["heavy_tail_k"],
-        noise_sigma=model["noise_sigma"], init_method_std=model["init_method_std"],
-        tie_word_embeddings=model["tie_embeddings"],
-    )
+    out = {hf: model[name] for name, hf in _CONFIG_FIELDS.items()}
+    out["ffn_hidden_size"] = out["ffn_hidden_size"] or 4 * model["hidden_size"]
+    return out
 
 
 def model_from_hf_config(config) -> dict:
-    """grt-megatron model fields (a recipe) from an HF `GRTConfig`."""
-    return dict(
-        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-        ffn_hidden_size=config.ffn_hidden_size, normalization=config.normalization, activation=config.activation,
-        add_bias_linear=config.add_bias_linear, layernorm_epsilon=config.layernorm_epsilon,
-        init_method_std=config.init_method_std, vocab_size=config.vocab_size,
-        max_sequence_length=config.max_position_embeddings, prelude_layers=config.prelude_layers,
-        core_layers=config.core_layers, coda_layers=config.coda_layers, recurrences=config.num_recurrences,
-        injection=config.injection, gate=config.gate, gate_bias_init=config.gate_bias_init,
-        gate_temperature=config.gate_temperature, noise_sigma=config.noise_sigma, initial_state=config.initial_state,
-        tie_embeddings=config.tie_word_embeddings, position_embedding=config.position_embedding,
-        rotary_base=config.rotary_base, depth_sampler=config.depth_sampler, heavy_tail_sigma=config.heavy_tail_sigma,
-        heavy_tail_k=config.heavy_tail_k, hidden_dropout=0.0, attention_dropout=0.0,
-    )
+    """grt-megatron model fields (a recipe) from an HF `GRTConfig`; no dropout."""
+    return {**{name: getattr(config, hf) for name, hf in _CONFIG_FIELDS.items()},
+            "hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 
 # ---- export -------------------------------------------------------------------------------------------------
@@ -255,7 +242,7 @@ def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
     from transformers import AutoConfig
 
     from grt_megatron import __version__
-    from grt_megatron.checkpoint.store import TRAINER_STATE, PendingSave, file_entry, write_file
+    from grt_megatron.checkpoint.store import TRAINER_STATE, PendingSave, write_file
     from grt_megatron.data.tokenizer import load_tokenizer
     from grt_megatron.model import GRTConfig
 
@@ -282,9 +269,7 @@ def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
     files = {"model-tp00-pp00.safetensors": write_file(
         pending.tmp / "model-tp00-pp00.safetensors",
         save_tensors(tensors, metadata={"tp_rank": "0", "pp_rank": "0", "partition_dims": json.dumps({})}))}
-    saved = tokenizer.save(pending.tmp / tokenizer.file_name)
-    for file in ([saved] if saved.is_file() else sorted(p for p in saved.rglob("*") if p.is_file())):
-        files[str(file.relative_to(pending.tmp))] = file_entry(file)
+    files.update(pending.add_tokenizer(tokenizer))
     state = {"version": __version__, "step": int(output.name[5:]), "consumed_samples": 0, "tokens": 0,
              "train_samples": None, "seq_length": model["max_sequence_length"],
              "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "sp": False, "zero_stage": 0,
