@@ -52,9 +52,14 @@ def compare_configs(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[st
     return refused, applied
 
 
+# Model fields added after checkpoints were first written: a checkpoint without them had these values.
+MODEL_FIELD_DEFAULTS = {"routing": "none", "router_aux_loss_coeff": 0.01}
+
+
 def compare_models(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
     """The effective model fields (`GRTConfig.to_dict()`, vocabulary resolved), as `compare_configs`."""
     refused, applied = [], []
+    saved = {**MODEL_FIELD_DEFAULTS, **saved}
     for key in sorted(set(saved) | set(new)):
         old, now = saved.get(key, "<unset>"), new.get(key, "<unset>")
         if old != now:

@@ -121,6 +121,9 @@ def hf_config_kwargs(model: dict) -> dict:
     if model["initial_state"] != "prelude":
         raise CheckpointError(f"model.initial_state={model['initial_state']!r}: the export supports only "
                               "'prelude' (a random initial state is not reproducible token by token)")
+    if model.get("routing", "none") != "none":
+        raise CheckpointError(f"model.routing={model['routing']!r} (Mixture-of-Recursions) is not supported by the "
+                              "Hugging Face export: modeling_grt.py has no routers")
     if model["gate"] not in ("mlp", "none"):
         raise CheckpointError(f"model.gate={model['gate']!r} (an ablation) is not supported by the Hugging Face "
                               "export; export models with gate mlp or none")

@@ -20,6 +20,7 @@ NOISE_SHAPES = ("per_token", "per_element")
 INITIAL_STATES = ("prelude", "random")
 POSITION_EMBEDDINGS = ("learned", "rope")
 DEPTH_SAMPLERS = ("fixed", "uniform", "heavy_tail")
+ROUTINGS = ("none", "expert_choice")
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
 
 # Settings that only make sense with CUDA kernels (apex / TE / fused jit). grt-megatron builds the
@@ -78,6 +79,15 @@ class GRTConfig(TransformerConfig):
     heavy_tail_sigma: float = 0.5
     heavy_tail_k: int = 8
 
+    routing: str = "none"
+    """`expert_choice`: Mixture-of-Recursions. Recursion r has its own router (sigmoid of a linear score);
+    each sequence's top ceil(S·(R−r+1)/R) tokens among those still active run the core, scaled by their
+    router weight (h += w·(Core(h) − h)); the others have left and skip every later recursion. Requires
+    gate/injection none, no noise, a fixed depth, learned positions, one process per model replica."""
+    router_aux_loss_coeff: float = 0.01
+    """Weight of MoR's auxiliary loss: binary cross-entropy teaching each router's sigmoid to predict its
+    own top-k choice, so that a causal threshold (0.5) can replace top-k at generation time."""
+
     checkpoint_recurrence: bool = False
     """Recompute each recurrence step in backward so activation memory does not grow with R."""
 
@@ -91,6 +101,7 @@ class GRTConfig(TransformerConfig):
             ("initial_state", INITIAL_STATES),
             ("position_embedding", POSITION_EMBEDDINGS),
             ("depth_sampler", DEPTH_SAMPLERS),
+            ("routing", ROUTINGS),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -110,9 +121,25 @@ class GRTConfig(TransformerConfig):
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
+        if self.routing != "none":
+            self._check_mor()
         # megatron-core's TransformerConfig counts unique layers; the executed depth is in `depth()`.
         self.num_layers = self.prelude_layers + self.core_layers + self.coda_layers
         super().__post_init__()
+
+    def _check_mor(self) -> None:
+        required = {"gate": "none", "injection": "none", "depth_sampler": "fixed", "position_embedding": "learned",
+                    "initial_state": "prelude", "noise_sigma": 0.0}
+        for name, value in required.items():
+            if getattr(self, name) != value:
+                raise ConfigError(f"model.routing={self.routing!r} (MoR) needs model.{name}={value!r}, got "
+                                  f"{getattr(self, name)!r}: its routers replace the gate and decide the depth")
+        if self.tensor_model_parallel_size > 1 or self.sequence_parallel:
+            raise ConfigError(f"model.routing={self.routing!r} (MoR) is not supported with tensor or sequence "
+                              f"parallelism (parallel.tp={self.tensor_model_parallel_size}): its per-sequence "
+                              "top-k would need the whole sequence on every rank; use data parallelism")
+        if self.router_aux_loss_coeff < 0:
+            raise ConfigError(f"model.router_aux_loss_coeff must be >= 0, got {self.router_aux_loss_coeff}")
 
     # ---- derived quantities -------------------------------------------------------------------
     @property
@@ -207,6 +234,8 @@ RECIPE_FIELDS = (
     "depth_sampler",
     "heavy_tail_sigma",
     "heavy_tail_k",
+    "routing",
+    "router_aux_loss_coeff",
     "checkpoint_recurrence",
     "make_vocab_size_divisible_by",
 )

@@ -17,6 +17,19 @@ from grt_megatron.model.config import ConfigError, GRTConfig
 from grt_megatron.parallel import validate_layout
 
 
+def budget_iters(base_iters: int, budget: float) -> int:
+    """`${budget_iters:BASE,BUDGET}` in recipes: the steps of a token budget given as a multiple of 1×."""
+    if base_iters is None:
+        raise ConfigError("experiment.base_iters must be set to scale train.iters by experiment.budget")
+    if budget <= 0:
+        raise ConfigError(f"experiment.budget must be > 0, got {budget}")
+    return max(1, round(int(base_iters) * float(budget)))
+
+
+if not OmegaConf.has_resolver("budget_iters"):
+    OmegaConf.register_new_resolver("budget_iters", budget_iters)
+
+
 @dataclass
 class TrainConfig:
     iters: int = 20_000
@@ -46,6 +59,9 @@ class TrainConfig:
     exit_interval: Optional[int] = None
     """Save and exit (status 0) after every step that is a multiple of this, before `iters`: one job of a
     chain of jobs (`grt-submit --chain`) trains this many steps."""
+    depth_sweep: Optional[int] = None
+    """At the end of training, validation loss at R = 1 … R + this (noise off), logged as
+    `split: depth_sweep` records: under- and over-recurrence at inference. None: no sweep."""
     sample_tokens: int = 0
     """Print a sample of this many tokens at the end of training (0: none)."""
     sample_prompt: str = ""
@@ -119,6 +135,25 @@ class RunDirConfig:
 
 
 @dataclass
+class ExperimentConfig:
+    """Which cell of an experiment grid a run is (`recipes/experiment/`); `grt-report` groups runs by it."""
+
+    name: Optional[str] = None
+    """The cell's recipe, e.g. `cpu/grt_isoflops`; runs of one cell differ only in seed."""
+    scale: Optional[str] = None
+    comparison: Optional[str] = None
+    """`isoflops` or `isoparams` (the dense reference belongs to both)."""
+    variant: Optional[str] = None
+    """What is compared: dense, grt, heavy_tail, mor, shared or an ablation."""
+    budget: float = 1.0
+    """Token budget as a multiple of the scale's 1× budget (`train.iters` scales with it)."""
+    base_iters: Optional[int] = None
+    """Steps at budget 1×."""
+    root: str = "runs/experiments"
+    """Run directories are `{root}/{name}/budget{budget}/seed{seed}`."""
+
+
+@dataclass
 class RunConfig:
     model: dict[str, Any] = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -128,6 +163,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunDirConfig = field(default_factory=RunDirConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     seed: int = 1234
     resume: Optional[str] = None
     """`auto` (the newest complete checkpoint of run.dir, if any) or a checkpoint / run directory."""
@@ -188,6 +224,8 @@ def build_run_config(cfg: DictConfig | dict) -> RunConfig:
     for key in ("iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_interval", "eval_iters"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    if t.depth_sweep is not None and t.depth_sweep < 0:
+        raise ConfigError(f"train.depth_sweep must be >= 0, got {t.depth_sweep}")
     if t.exit_interval is not None and t.exit_interval < 1:
         raise ConfigError(f"train.exit_interval must be >= 1, got {t.exit_interval}")
     c = run.checkpoint

@@ -42,6 +42,7 @@ from grt_megatron.model import (
     GRTConfig,
     GRTLanguageModel,
     count_parameters,
+    forward_flops_per_token,
     train_flops_per_token,
 )
 from grt_megatron.parallel import register_sequence_parallel_grad_hooks
@@ -285,6 +286,8 @@ class Trainer:
             "model": self.model_config.to_dict(),
             "model_shape": self.model_config.shape_name,
             "parameters": count_parameters(self.model_config)["total"],
+            # Nominal: the configured R (forward × 3); executed FLOPs of each step are in metrics.jsonl.
+            "train_flops_per_token_nominal": 3 * forward_flops_per_token(self.model_config, self.seq_length)["total"],
             "tokenizer": self.tokenizer.describe(),
             "data_prefixes": self.data.prefixes,
             "train_samples": len(self.data.datasets.train),
@@ -352,11 +355,11 @@ class Trainer:
                 "grad_norm": None if grad_norm is None else float(grad_norm)}
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss per token at the configured R, noise off (eval mode), over the fixed
-        validation windows; data-parallel ranks share the windows and sum their losses."""
+    def evaluate(self, recurrences: Optional[int] = None) -> float:
+        """Mean validation loss per token at the configured R (or `recurrences`), noise off (eval mode),
+        over the fixed validation windows; data-parallel ranks share the windows and sum their losses."""
         if self.pipelined:
-            return self._evaluate_pipelined()
+            return self._evaluate_pipelined(recurrences)
         self.engine.eval()
         mine = self.data.valid_rows[self.info.dp_rank :: self.info.dp_size]
         sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)  # loss sum, token count
@@ -364,7 +367,7 @@ class Trainer:
         for start in range(0, len(mine), self.micro_batch):
             tokens, labels = self._to_device(mine[start : start + self.micro_batch])
             block.step_stats = [] if start == 0 else None  # gate diagnostics from the first micro-batch
-            loss = self.engine(tokens, labels)
+            loss = self.engine(tokens, labels, recurrences)
             if start == 0:
                 self.eval_step_stats = block.step_stats
             sums += torch.stack([loss.double().sum(), torch.tensor(loss.numel(), dtype=torch.float64)])
@@ -374,10 +377,10 @@ class Trainer:
             dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         return float(sums[0] / sums[1])
 
-    def _evaluate_pipelined(self) -> float:
+    def _evaluate_pipelined(self, recurrences: Optional[int] = None) -> float:
         per_rank = self.pipeline_eval_rows_per_rank
         mine = self.data.valid_rows[self.info.dp_rank * per_rank : (self.info.dp_rank + 1) * per_rank]
-        r = self.model_config.recurrences
+        r = recurrences or self.model_config.recurrences
         batches = self._pipeline_micro_batches(mine, [0] * len(mine), (r, r))
         loss = self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))  # eval mode: no noise
         return float(loss)
@@ -415,6 +418,8 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         seconds = time.perf_counter() - start
+        if not stopped_by and self.last_step == cfg.train.iters and self.start_step < cfg.train.iters:
+            self.depth_sweep()
         sample = None
         if cfg.train.sample_tokens > 0 and not self.pipelined and not stopped_by:
             sample = sample_text(self.engine.module, self.tokenizer, cfg.train.sample_prompt,
@@ -462,6 +467,23 @@ class Trainer:
                 progress.write(f"step {step}: train loss {loss:.4f}, valid loss {valid:.4f} "
                                f"(R={self.model_config.recurrences})")
         return loss, valid
+
+    def depth_sweep(self) -> None:
+        """Validation loss at R = 1 … R + `train.depth_sweep`: how the model behaves when run with fewer or
+        more recurrences than it was evaluated at (one `split: depth_sweep` record per R)."""
+        extra = self.cfg.train.depth_sweep
+        cfg = self.model_config
+        if extra is None or cfg.is_dense:
+            return
+        # MoR has one router per trained recursion: it cannot run deeper than it was trained.
+        top = cfg.recurrences if cfg.routing != "none" else cfg.recurrences + extra
+        for r in tqdm(range(1, top + 1), desc="depth sweep", unit="R", dynamic_ncols=True,
+                      disable=not (self.info.is_main and self.cfg.logging.progress)):
+            loss = self.evaluate(recurrences=r)
+            self.logger.log({"step": self.last_step, "split": "depth_sweep", "recurrences": r, "loss": loss,
+                             "flops_per_token": forward_flops_per_token(cfg, self.seq_length, r)["total"]})
+        if self.info.is_main:
+            print(f"depth sweep: validation loss at R = 1 … {top} logged to metrics.jsonl", flush=True)
 
     def close(self) -> None:
         self.logger.close()
