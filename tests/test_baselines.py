@@ -64,3 +64,79 @@ def test_gate_ablations_are_refused_by_the_hf_export():
 
     with pytest.raises(CheckpointError, match="model.gate='residual'"):
         hf_config_kwargs({**tiny_config(gate="residual").to_dict()})
+
+
+# ---- Mixture-of-Recursions ----------------------------------------------------------------------------------
+MOR = dict(gate="none", injection="none", noise_sigma=0.0, depth_sampler="fixed", routing="expert_choice")
+
+
+def test_mor_router_capacity_shrinks_with_depth_and_leavers_skip_later_recursions(world):
+    config = tiny_config(**MOR, recurrences=4)
+    model = GRTLanguageModel(config).eval()
+    block, s, d = model.block, 16, config.hidden_size
+    core_tokens, router_tokens = [], []
+    block.core[0].register_forward_pre_hook(lambda m, args: core_tokens.append(args[0].shape[0]))
+    for router in block.routers:
+        router.register_forward_pre_hook(lambda m, args: router_tokens.append(args[0].shape[0]))
+    h = torch.randn(s, 3, d, generator=torch.Generator().manual_seed(0))
+    inputs = StepInputs(causal_attention_mask(s, h.device))
+    with torch.no_grad():
+        outs = [block.run_mor(h, inputs, r) for r in range(1, 5)]
+    # Capacities ceil(S·(R−r+1)/R) = 16, 12, 8, 4; each router sees the previous recursion's tokens.
+    assert core_tokens == [16, 16, 12, 16, 12, 8, 16, 12, 8, 4]
+    assert router_tokens == [16, 16, 16, 16, 16, 12, 16, 16, 12, 8]
+    assert [block.mor_capacity(s, 4, r) for r in range(4)] == [16, 12, 8, 4]
+    # Running one more recursion changes exactly that recursion's tokens, and only tokens that were
+    # still active: a token that left never changes again.
+    moved_before = torch.ones(s, 3, dtype=torch.bool)
+    for r in range(1, 4):
+        moved = (outs[r] != outs[r - 1]).any(-1)
+        assert (moved.sum(0) == block.mor_capacity(s, 4, r)).all()
+        assert not (moved & ~moved_before).any()
+        moved_before = moved
+
+
+def test_mor_trains_with_its_router_loss_and_counts_its_parameters(world):
+    config = tiny_config(**MOR, recurrences=3)
+    model = GRTLanguageModel(config)
+    assert count_parameters(config)["routers"] == 3 * config.hidden_size
+    assert count_parameters(config)["total"] == sum(p.numel() for p in model.parameters())
+    _forward_backward(model.train(), config.vocab_size)
+    assert model.block.aux_loss is not None and model.block.aux_loss.item() > 0
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in model.block.routers)
+    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        train_loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+        aux = model.block.aux_loss
+        eval_loss = model.eval()(tokens[:, :-1], tokens[:, 1:]).mean()
+    # In training the mean loss carries the weighted router loss once; evaluation reports the LM loss only.
+    assert train_loss.item() == pytest.approx(eval_loss.item() + config.router_aux_loss_coeff * aux.item(), rel=1e-5)
+
+
+def test_mor_flops_count_the_tokens_that_stay():
+    from grt_megatron.model import forward_flops_per_token
+    from grt_megatron.model.flops import _layer_flops
+
+    mor, grt = tiny_config(**MOR, recurrences=4), tiny_config(recurrences=4)
+    s = 16
+    layers = forward_flops_per_token(mor, s)["layers"]
+    core = sum(_layer_flops(mor, k) * k / s for k in (16, 12, 8, 4))
+    assert layers == 2 * _layer_flops(mor, s) + round(core)
+    assert layers < forward_flops_per_token(grt, s)["layers"]
+
+
+def test_mor_refuses_what_it_does_not_support():
+    from grt_megatron.checkpoint.store import CheckpointError
+    from grt_megatron.hf.convert import hf_config_kwargs
+    from grt_megatron.model import ConfigError, GRTConfig
+    from grt_megatron.parallel import validate_layout
+
+    with pytest.raises(ConfigError, match="needs model.gate='none'"):
+        tiny_config(**{**MOR, "gate": "mlp"})
+    with pytest.raises(ConfigError, match="not supported with tensor or sequence parallelism"):
+        GRTConfig.from_recipe(tiny_config(**MOR).to_dict(), tensor_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="not supported with parallel.pp=2"):
+        validate_layout(world_size=2, tp=1, pp=2, sp=False, zero_stage=1, model={**MOR, "hidden_size": 64},
+                        seq_length=16, micro_batch=1, global_batch=2)
+    with pytest.raises(CheckpointError, match="Mixture-of-Recursions"):
+        hf_config_kwargs(tiny_config(**MOR).to_dict())

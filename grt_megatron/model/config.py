@@ -129,7 +129,7 @@ class GRTConfig(TransformerConfig):
 
     def _check_mor(self) -> None:
         required = {"gate": "none", "injection": "none", "depth_sampler": "fixed", "position_embedding": "learned",
-                    "initial_state": "prelude", "noise_sigma": 0.0}
+                    "initial_state": "prelude", "noise_sigma": 0.0, "checkpoint_recurrence": False}
         for name, value in required.items():
             if getattr(self, name) != value:
                 raise ConfigError(f"model.routing={self.routing!r} (MoR) needs model.{name}={value!r}, got "

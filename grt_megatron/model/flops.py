@@ -29,6 +29,20 @@ def _recurrence_extra_flops(cfg: GRTConfig) -> int:
     return flops
 
 
+def _mor_flops(cfg: GRTConfig, seq_len: int, recurrences: int) -> tuple[float, float]:
+    """(core layer FLOPs, router FLOPs) per token of MoR: recursion r runs on its capacity's share of the
+    tokens, attending over that many positions."""
+    import math
+
+    layers = routers = 0.0
+    active = seq_len
+    for r in range(recurrences):
+        routers += 2 * cfg.hidden_size * active / seq_len
+        active = math.ceil(seq_len * (cfg.recurrences - r) / cfg.recurrences)
+        layers += cfg.core_layers * _layer_flops(cfg, active) * active / seq_len
+    return layers, routers
+
+
 def forward_flops_per_token(cfg: GRTConfig, seq_len: int, recurrences: int | None = None) -> dict[str, int]:
     """Forward FLOPs per token by part, and `total` (output layer included)."""
     r = cfg.recurrences if recurrences is None else recurrences
@@ -37,6 +51,10 @@ def forward_flops_per_token(cfg: GRTConfig, seq_len: int, recurrences: int | Non
         "recurrence": r * _recurrence_extra_flops(cfg),
         "output_layer": 2 * cfg.hidden_size * cfg.padded_vocab_size,
     }
+    if cfg.routing != "none":  # MoR: tokens leave early, so the core runs on fewer tokens each recursion
+        core, routers = _mor_flops(cfg, seq_len, r)
+        parts["layers"] = (cfg.prelude_layers + cfg.coda_layers) * _layer_flops(cfg, seq_len) + round(core)
+        parts["recurrence"] = round(routers)
     parts["total"] = sum(parts.values())
     return parts
 
@@ -64,6 +82,7 @@ def count_parameters(cfg: GRTConfig) -> dict[str, int]:
         "layers": cfg.num_layers * layer,
         "injection": 2 * d * d if cfg.injection == "concat_project" else 0,
         "gate": (2 * norm + 2 * d * d + d + d * d + d) if cfg.gate == "mlp" else 0,
+        "routers": cfg.recurrences * d if cfg.routing != "none" else 0,
         "final_norm": norm,
         "output_layer": 0 if cfg.tie_embeddings else v * d,
     }

@@ -101,6 +101,11 @@ class GRTLanguageModel(MegatronModule):
         hidden = self.final_norm(hidden)
         logits, _ = self.output_layer(hidden, weight=self._output_weight())
         if labels is not None:
-            return vocab_parallel_loss(logits, labels)
+            loss = vocab_parallel_loss(logits, labels)
+            aux = getattr(self.block, "aux_loss", None)
+            if self.training and aux is not None:
+                # MoR's router loss, spread over the tokens so that the mean loss carries it once.
+                loss = loss + self.config.router_aux_loss_coeff * aux
+            return loss
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         return logits[..., : self.config.vocab_size].transpose(0, 1).contiguous()

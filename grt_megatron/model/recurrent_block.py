@@ -12,6 +12,15 @@ This file is the GRT math. Everything else (embeddings, loss, parallelism, train
                                                                      fixed: g = sigmoid(b_2 / tau), not learned)
     out = Coda(h_R)
 
+Mixture-of-Recursions (`routing="expert_choice"`) replaces the gate with one router per recursion:
+
+    A_0 = all positions;  k_r = ceil(S·(R−r+1)/R)                  (capacity shrinks with depth)
+    w = sigmoid(router_r(h_t)) for t in A_{r-1};  A_r = the k_r positions of A_{r-1} with the largest w
+    h_t += w_t · (Core(h_{A_r})_t − h_t) for t in A_r             (the others have left: unchanged from now on)
+
+The core attends among the active positions only (causally); an auxiliary binary cross-entropy teaches
+each router to predict its own top-k choice.
+
 eps_x, eps_g ~ N(0, sigma²), fresh at every step, in training only. With `gate="none"` the update is
 h_r = o_r; with `injection="add"` x_r = h_{r-1} + eps_x + h_pre, with `injection="none"` x_r = h_{r-1} + eps_x.
 The prelude, core and coda layers are megatron-core `TransformerLayer`s held in one `layers` list
@@ -23,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
+
+import math
 
 import numpy as np
 import torch
@@ -101,6 +112,15 @@ class GatedRecurrentBlock(MegatronModule):
                 )
             with torch.no_grad():
                 self.gate_fc2.bias.fill_(config.gate_bias_init)
+        self.routers = None
+        if config.routing == "expert_choice" and "core" in self.pieces:
+            with piece_rng(init_seed, "routers"):
+                self.routers = torch.nn.ModuleList(
+                    torch.nn.Linear(d, 1, bias=False, dtype=config.params_dtype) for _ in range(config.recurrences))
+                for router in self.routers:
+                    config.init_method(router.weight)
+        self.aux_loss: Optional[torch.Tensor] = None
+        """MoR's auxiliary router loss of the last training forward (unweighted), else None."""
         self.step_stats: Optional[list[dict[str, float]]] = None
         """Set to a list to record, per recurrence step, the mean gate and the relative state update
         ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ (diagnostics: does the gate learn, does the state still move)."""
@@ -209,9 +229,47 @@ class GatedRecurrentBlock(MegatronModule):
         self.step_stats.append({"gate_mean": float("nan") if g is None else float(g.float().mean()),
                                 "relative_update": float(update)})
 
+    @staticmethod
+    def mor_capacity(seq_len: int, recurrences: int, step: int) -> int:
+        """Tokens per sequence that run recursion `step` (0-based): ceil(S·(R − step)/R)."""
+        return math.ceil(seq_len * (recurrences - step) / recurrences)
+
+    def run_mor(self, h: torch.Tensor, inputs: "StepInputs", recurrences: int) -> torch.Tensor:
+        """Mixture-of-Recursions with expert-choice routing (see the module docstring). h: [s, b, d]."""
+        s, b, d = h.shape
+        trained = self.config.recurrences
+        if recurrences > trained:
+            raise ValueError(f"MoR has routers for {trained} recursions; cannot run {recurrences}")
+        active = torch.arange(s, device=h.device).unsqueeze(1).expand(s, b)  # [n, b] positions, ascending
+        aux = []
+        for r in range(recurrences):
+            candidates = h.gather(0, active.unsqueeze(-1).expand(-1, -1, d))
+            logits = self.routers[r](candidates).squeeze(-1).float()  # [n, b]
+            k = self.mor_capacity(s, trained, r)
+            chosen = torch.arange(active.shape[0], device=h.device).unsqueeze(1).expand_as(active)
+            if k < active.shape[0]:
+                chosen = logits.topk(k, dim=0).indices.sort(dim=0).values  # keep positions in order
+            if self.training:
+                target = torch.zeros_like(logits).scatter_(0, chosen, 1.0)
+                aux.append(F.binary_cross_entropy_with_logits(logits, target))
+            active = active.gather(0, chosen)
+            x = candidates.gather(0, chosen.unsqueeze(-1).expand(-1, -1, d))
+            # The compact sequence keeps the positions' order, so the layers' causal attention is causal
+            # among the active tokens: a token attends to the earlier tokens that are still recurring.
+            o = self._run(self.core, x, inputs)
+            w = torch.sigmoid(logits.gather(0, chosen)).unsqueeze(-1).to(x.dtype)
+            h_new = h.scatter(0, active.unsqueeze(-1).expand(-1, -1, d), x + w * (o - x))
+            if self.step_stats is not None:
+                self._record_stats(h, h_new, w)
+            h = h_new
+        self.aux_loss = torch.stack(aux).sum() if aux else None
+        return h
+
     def run_core(self, h_pre, inputs: "StepInputs", recurrences: int, grad_recurrences: int):
         """R steps of the recurrence; the first `recurrences - grad_recurrences` run without gradient
         (truncated backprop of the heavy-tail sampler)."""
+        if self.routers is not None:
+            return self.run_mor(h_pre, inputs, recurrences)
         h = self.initial_state(h_pre, inputs)
         no_grad_steps = recurrences - grad_recurrences
         checkpoint = self.config.checkpoint_recurrence and self.training and torch.is_grad_enabled()

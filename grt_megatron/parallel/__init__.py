@@ -39,6 +39,10 @@ def validate_layout(*, world_size: int, tp: int, pp: int, sp: bool, zero_stage: 
     if zero_stage == 3 and (tp > 1 or pp > 1):
         raise ConfigError("deepspeed.zero_stage=3 needs parallel.tp=1 and parallel.pp=1 "
                           "(ZeRO 3 partitions parameters itself); use ZeRO 1 or 2 with tensor parallelism")
+    if pp > 1 and model.get("routing", "none") != "none":
+        raise ConfigError(f"model.routing={model['routing']!r} (MoR) is not supported with parallel.pp={pp}: its "
+                          "auxiliary router loss and per-sequence top-k are not split into pipeline stages; "
+                          "use data parallelism")
     if pp > 1:
         p, k, c = (int(model.get(f"{name}_layers", 1)) for name in ("prelude", "core", "coda"))
         dense = model.get("recurrences", 1) == 1 and model.get("gate") == "none" and model.get("injection") == "none"

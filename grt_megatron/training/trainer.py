@@ -443,6 +443,7 @@ class Trainer:
             "tokens": step * tokens_per_step,
             "step_seconds": seconds,
             "tokens_per_s": tokens_per_step / seconds,
+            "flops_per_token": stats["flops_per_token"],  # model FLOPs at the R executed this step
             "flops_per_s": stats["flops_per_token"] * tokens_per_step / seconds,
         }
         if self.peak_flops:  # model FLOPs (executed R) over the peak of every device in the world
