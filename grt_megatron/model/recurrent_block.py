@@ -30,10 +30,9 @@ same parameter names and a checkpoint moves between the two unchanged.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
-
-import math
 
 import numpy as np
 import torch

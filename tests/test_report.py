@@ -1,0 +1,81 @@
+"""`grt-report` on small hand-written runs: the table's numbers, the plots, bad input."""
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from grt_megatron.report import ReportError, find_runs, summarize, write_report
+
+MODEL = dict(hidden_size=64, num_attention_heads=4, vocab_size=300, max_sequence_length=32, prelude_layers=1,
+             core_layers=1, coda_layers=1, recurrences=3, add_bias_linear=False)
+
+
+def fake_run(path, cell, seed, valid, sweep=None, comparison="isoflops", model=None):
+    path.mkdir(parents=True)
+    model = {**MODEL, **(model or {})}
+    (path / "run_info.json").write_text(json.dumps({
+        "config": {"seed": seed, "train": {"seq_length": 32},
+                   "experiment": {"name": cell, "budget": 1.0, "comparison": comparison, "variant": cell}},
+        "model": model, "model_shape": "1+1x3+1", "parameters": 12345}))
+    lines = []
+    for step, loss in enumerate(valid, 1):
+        lines.append({"step": 10 * step, "loss": loss + 0.1, "tokens": 10 * step * 64, "flops_per_token": 1000.0 * step,
+                      "tokens_per_s": 1.0, "flops_per_s": 1.0})
+        lines.append({"step": 10 * step, "split": "valid", "loss": loss, "gate_mean_r1": 0.9 + 0.01 * seed,
+                      "relative_update_r1": 0.5})
+    for r, loss in (sweep or {}).items():
+        lines.append({"step": 10 * len(valid), "split": "depth_sweep", "recurrences": r, "loss": loss})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_report_table_and_plots(tmp_path):
+    fake_run(tmp_path / "runs/a/s1", "grt", 1, [5.0, 4.0, 4.2], {1: 4.5, 2: 4.1, 3: 4.0, 4: 4.05})
+    fake_run(tmp_path / "runs/a/s2", "grt", 2, [5.0, 4.1, 4.0], {1: 4.7, 2: 4.3, 3: 4.2, 4: 4.25})
+    fake_run(tmp_path / "runs/b/s1", "dense", 1, [5.1, 4.5, 4.3], comparison="both",
+             model=dict(prelude_layers=0, core_layers=5, coda_layers=0, recurrences=1, gate="none", injection="none"))
+    out = tmp_path / "report"
+    result = subprocess.run([sys.executable, "-m", "grt_megatron.report", str(tmp_path / "runs"), "--output",
+                             str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    rows = {r["cell"]: r for r in json.loads((out / "summary.json").read_text())}
+    assert rows["grt"]["seeds"] == [1, 2] and rows["dense"]["seeds"] == [1]
+    assert rows["grt"]["best_valid_mean"] == pytest.approx(4.0)  # min per run: 4.0 and 4.0
+    assert rows["grt"]["final_valid_mean"] == pytest.approx(4.1)
+    assert rows["grt"]["final_valid_std"] == pytest.approx(statistics.stdev([4.2, 4.0]))
+    assert rows["grt"]["flops_per_token_executed"] == pytest.approx(2000.0)  # mean over steps of 1k, 2k, 3k
+    assert rows["grt"]["depth_sweep"] == {"1": pytest.approx(4.6), "2": pytest.approx(4.2),
+                                          "3": pytest.approx(4.1), "4": pytest.approx(4.15)}
+    assert rows["grt"]["tokens"] == 1920 and rows["grt"]["parameters"] == 12345
+    report = (out / "report.md").read_text()
+    assert "| grt | isoflops | 1+1x3+1 | 12.35 k |" in report
+    assert "4.1000 ± 0.1414" in report and "**4.1500**" not in report and "**4.1000**" in report
+    assert report.index("| grt |") < report.index("| dense |")  # ordered by best validation loss
+    assert "| grt | 0.915 / 0.500 |" in report  # the last evaluation's gate, mean over the two seeds
+    for png in ("loss_curves.png", "loss_vs_r.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert not list(out.glob(".*.tmp"))
+
+    # Any subset of the cells: the dense run alone has no depth sweep, and no stale loss-vs-R plot is kept.
+    write_report(find_runs([tmp_path / "runs/b/s1"]), out, "test")
+    assert not (out / "loss_vs_r.png").exists()
+    assert "| dense |" in (out / "report.md").read_text()
+
+
+def test_report_names_the_bad_file(tmp_path):
+    fake_run(tmp_path / "run", "grt", 1, [5.0])
+    with (tmp_path / "run/metrics.jsonl").open("a") as f:
+        f.write("{not json\n")
+    with pytest.raises(ReportError, match=r"metrics.jsonl:3: not a JSON record"):
+        find_runs([tmp_path / "run"])
+    result = subprocess.run([sys.executable, "-m", "grt_megatron.report", str(tmp_path / "nothing"), "--output",
+                             str(tmp_path / "out")], capture_output=True, text=True)
+    assert result.returncode == 2 and "nothing: no such run directory" in result.stderr
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match="holds no run"):
+        find_runs([tmp_path / "empty"])
+    assert summarize([]) == []
