@@ -29,6 +29,7 @@ class ReportError(ValueError):
 class Run:
     path: Path
     cell: str
+    scale: str
     budget: float
     comparison: str
     variant: str
@@ -47,6 +48,8 @@ class Run:
     train: list[tuple[int, float]] = field(default_factory=list)
     depth_sweep: dict[int, float] = field(default_factory=dict)
     """Validation loss by inference R."""
+    finished: bool = True
+    """False while the run has not reached train.iters (its numbers are provisional)."""
     diagnostics: dict[str, float] = field(default_factory=dict)
     """The last evaluation's `gate_mean_rN` / `relative_update_rN` (does the gate learn, does h move)."""
 
@@ -92,7 +95,8 @@ def _flops(model: dict, seq_len: int) -> float:
     return 3.0 * forward_flops_per_token(GRTConfig.from_recipe(recipe), seq_len)["total"]
 
 
-def load_run(path: Path) -> Run:
+def load_run(path: Path) -> Optional[Run]:
+    """The run at `path`, or None while it has no evaluation yet (a grid still running)."""
     info = _read_json(path / "run_info.json")
     records = _read_metrics(path / "metrics.jsonl")
     config = info.get("config", {})
@@ -118,11 +122,11 @@ def load_run(path: Path) -> Run:
         elif split == "depth_sweep":
             sweep[int(r["recurrences"])] = float(r["loss"])
     if not valid:
-        raise ReportError(f"{path / 'metrics.jsonl'}: no validation record (split: valid) yet")
+        return None
     tokens_per_step = tokens_per_step or 0
     name = experiment.get("name") or (config.get("run") or {}).get("name") or info.get("model_shape", path.name)
     return Run(
-        path=path, cell=name, budget=float(experiment.get("budget", 1.0)),
+        path=path, cell=name, scale=experiment.get("scale") or "-", budget=float(experiment.get("budget", 1.0)),
         comparison=experiment.get("comparison") or "-", variant=experiment.get("variant") or "-",
         seed=int(config.get("seed", 0)), shape=info.get("model_shape", "?"),
         recurrences=int(model.get("recurrences", 1)), parameters=int(info.get("parameters", 0)),
@@ -130,7 +134,8 @@ def load_run(path: Path) -> Run:
         flops_executed=statistics.fmean(executed) if executed else float("nan"),
         tokens=train[-1][0] if train else 0, steps=max(int(r["step"]) for r in records),
         valid=[(step * tokens_per_step, loss) for step, loss in valid], train=train, depth_sweep=sweep,
-        diagnostics=diagnostics,
+        diagnostics=diagnostics, finished=max(int(r["step"]) for r in records) >= int(
+            (config.get("train") or {}).get("iters", 0)),
     )
 
 
@@ -146,7 +151,14 @@ def find_runs(paths: list[Path]) -> list[Run]:
         if not found:
             raise ReportError(f"{p}: holds no run (no run_info.json with a metrics.jsonl beside it)")
         dirs.extend(found)
-    return [load_run(d) for d in dict.fromkeys(dirs)]
+    runs = []
+    for d in dict.fromkeys(dirs):
+        run = load_run(d)
+        if run is None:
+            print(f"grt-report: skipping {d}: no evaluation yet", file=sys.stderr)
+        else:
+            runs.append(run)
+    return runs
 
 
 # ---- summary ------------------------------------------------------------------------------------------------
@@ -171,6 +183,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
             "flops_per_token_nominal": first.flops_nominal,
             "flops_per_token_executed": statistics.fmean(r.flops_executed for r in group),
             "tokens": statistics.fmean(r.tokens for r in group), "seeds": [r.seed for r in group],
+            "unfinished": sum(not r.finished for r in group),
             "best_valid_mean": best, "best_valid_std": best_std, "final_valid_mean": final,
             "final_valid_std": final_std,
             "depth_sweep": {r: statistics.fmean(run.depth_sweep[r] for run in group) for r in depths},
@@ -178,12 +191,38 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                             for k in sorted(set.intersection(*(set(r.diagnostics) for r in group)))},
             "runs": [str(r.path) for r in group],
         })
+    _paired_with_dense(rows, cells)
     rows.sort(key=lambda row: (row["budget"], row["best_valid_mean"]))
     return rows
 
 
+def _paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
+    """Best validation loss minus the dense cell's (same scale and budget), seed by seed. A seed fixes the
+    data order and the validation windows, which move the loss of every model alike; the paired difference
+    leaves them out, so it is the number to compare models by when seeds are few."""
+    dense = {(g[0].scale, budget): {r.seed: r.best_valid for r in g}
+             for (cell, budget), g in cells.items() if g[0].variant == "dense"}
+    for row in rows:
+        group = cells[(row["cell"], row["budget"])]
+        reference = dense.get((group[0].scale, row["budget"]))
+        diffs = [r.best_valid - reference[r.seed] for r in group if reference and r.seed in reference]
+        row["delta_vs_dense_mean"], row["delta_vs_dense_std"] = _mean_std(diffs) if diffs else (None, None)
+        row["delta_vs_dense_seeds"] = len(diffs)
+
+
 def _fmt_std(mean: float, std: float) -> str:
     return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
+
+
+def _fmt_unfinished(row: dict) -> str:
+    return f" ({row['unfinished']} unfinished)" if row["unfinished"] else ""
+
+
+def _fmt_delta(row: dict) -> str:
+    if row["delta_vs_dense_mean"] is None or row["variant"] == "dense":
+        return ""
+    mean, std = row["delta_vs_dense_mean"], row["delta_vs_dense_std"]
+    return f"{mean:+.4f}" if math.isnan(std) else f"{mean:+.4f} ± {std:.4f}"
 
 
 def _si(value: float) -> str:
@@ -198,16 +237,19 @@ def markdown(rows: list[dict], command: str) -> str:
              "Validation loss per token at the trained R with noise off, over each cell's seeds (mean ± sample "
              "std); best = lowest over the run's evaluations. FLOPs per token are training FLOPs (3 × forward; "
              "nominal at the configured R, executed = mean over the steps of the R each step ran).", "",
+             "Δ vs dense is the best validation loss minus the dense cell's of the same scale and budget, seed by "
+             "seed (same data order and validation windows), mean ± std over the paired seeds.", "",
              "| cell | comparison | shape | params | FLOPs/token nominal | FLOPs/token executed | tokens | seeds "
-             "| best val loss | final val loss |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| best val loss | final val loss | Δ vs dense |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         budget = "" if r["budget"] == 1.0 else f" ({r['budget']:g}×)"
         lines.append(
             f"| {r['cell']}{budget} | {r['comparison']} | {r['shape']} | {_si(r['parameters'])} | "
             f"{_si(r['flops_per_token_nominal'])} | {_si(r['flops_per_token_executed'])} | {_si(r['tokens'])} | "
-            f"{len(r['seeds'])} | {_fmt_std(r['best_valid_mean'], r['best_valid_std'])} | "
-            f"{_fmt_std(r['final_valid_mean'], r['final_valid_std'])} |")
+            f"{len(r['seeds'])}{_fmt_unfinished(r)} | "
+            f"{_fmt_std(r['best_valid_mean'], r['best_valid_std'])} | "
+            f"{_fmt_std(r['final_valid_mean'], r['final_valid_std'])} | {_fmt_delta(r)} |")
     swept = [r for r in rows if len(r["depth_sweep"]) > 1]
     if swept:
         top = max(max(r["depth_sweep"]) for r in swept)
@@ -254,7 +296,8 @@ def plot_loss_curves(runs: list[Run], rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    comparisons = sorted({r["comparison"] for r in rows}) or ["-"]
+    # The dense reference ("both") is drawn in every comparison's panel rather than in one of its own.
+    comparisons = sorted({r["comparison"] for r in rows} - {"both"}) or ["both"]
     fig, axes = plt.subplots(1, len(comparisons), figsize=(6.5 * len(comparisons), 4.5), squeeze=False)
     by_cell: dict[tuple[str, float], list[Run]] = {}
     for run in runs:

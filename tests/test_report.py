@@ -17,8 +17,9 @@ def fake_run(path, cell, seed, valid, sweep=None, comparison="isoflops", model=N
     path.mkdir(parents=True)
     model = {**MODEL, **(model or {})}
     (path / "run_info.json").write_text(json.dumps({
-        "config": {"seed": seed, "train": {"seq_length": 32},
-                   "experiment": {"name": cell, "budget": 1.0, "comparison": comparison, "variant": cell}},
+        "config": {"seed": seed, "train": {"seq_length": 32, "iters": 30},
+                   "experiment": {"name": cell, "scale": "cpu", "budget": 1.0, "comparison": comparison,
+                                  "variant": cell}},
         "model": model, "model_shape": "1+1x3+1", "parameters": 12345}))
     lines = []
     for step, loss in enumerate(valid, 1):
@@ -36,12 +37,17 @@ def test_report_table_and_plots(tmp_path):
     fake_run(tmp_path / "runs/a/s2", "grt", 2, [5.0, 4.1, 4.0], {1: 4.7, 2: 4.3, 3: 4.2, 4: 4.25})
     fake_run(tmp_path / "runs/b/s1", "dense", 1, [5.1, 4.5, 4.3], comparison="both",
              model=dict(prelude_layers=0, core_layers=5, coda_layers=0, recurrences=1, gate="none", injection="none"))
+    fake_run(tmp_path / "runs/b/s2", "dense", 2, [5.1, 4.4, 3.9], comparison="both",
+             model=dict(prelude_layers=0, core_layers=5, coda_layers=0, recurrences=1, gate="none", injection="none"))
     out = tmp_path / "report"
     result = subprocess.run([sys.executable, "-m", "grt_megatron.report", str(tmp_path / "runs"), "--output",
                              str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     rows = {r["cell"]: r for r in json.loads((out / "summary.json").read_text())}
-    assert rows["grt"]["seeds"] == [1, 2] and rows["dense"]["seeds"] == [1]
+    assert rows["grt"]["seeds"] == [1, 2] and rows["dense"]["seeds"] == [1, 2]
+    # Paired by seed: 4.0 - 4.3 and 4.0 - 3.9.
+    assert rows["grt"]["delta_vs_dense_mean"] == pytest.approx(-0.1)
+    assert rows["grt"]["delta_vs_dense_std"] == pytest.approx(statistics.stdev([-0.3, 0.1]))
     assert rows["grt"]["best_valid_mean"] == pytest.approx(4.0)  # min per run: 4.0 and 4.0
     assert rows["grt"]["final_valid_mean"] == pytest.approx(4.1)
     assert rows["grt"]["final_valid_std"] == pytest.approx(statistics.stdev([4.2, 4.0]))
@@ -49,9 +55,10 @@ def test_report_table_and_plots(tmp_path):
     assert rows["grt"]["depth_sweep"] == {"1": pytest.approx(4.6), "2": pytest.approx(4.2),
                                           "3": pytest.approx(4.1), "4": pytest.approx(4.15)}
     assert rows["grt"]["tokens"] == 1920 and rows["grt"]["parameters"] == 12345
+    assert rows["grt"]["unfinished"] == 0
     report = (out / "report.md").read_text()
     assert "| grt | isoflops | 1+1x3+1 | 12.35 k |" in report
-    assert "4.1000 ± 0.1414" in report and "**4.1500**" not in report and "**4.1000**" in report
+    assert "4.1000 ± 0.1414" in report and "| -0.1000 ± 0.2828 |" in report and "**4.1500**" not in report and "**4.1000**" in report
     assert report.index("| grt |") < report.index("| dense |")  # ordered by best validation loss
     assert "| grt | 0.915 / 0.500 |" in report  # the last evaluation's gate, mean over the two seeds
     for png in ("loss_curves.png", "loss_vs_r.png"):
@@ -60,12 +67,14 @@ def test_report_table_and_plots(tmp_path):
     assert not list(out.glob(".*.tmp"))
 
     # Any subset of the cells: the dense run alone has no depth sweep, and no stale loss-vs-R plot is kept.
-    write_report(find_runs([tmp_path / "runs/b/s1"]), out, "test")
+    write_report(find_runs([tmp_path / "runs/b"]), out, "test")
     assert not (out / "loss_vs_r.png").exists()
     assert "| dense |" in (out / "report.md").read_text()
 
 
 def test_report_names_the_bad_file(tmp_path):
+    fake_run(tmp_path / "running", "grt", 1, [])  # no evaluation yet: left out, not an error
+    assert find_runs([tmp_path / "running"]) == []
     fake_run(tmp_path / "run", "grt", 1, [5.0])
     with (tmp_path / "run/metrics.jsonl").open("a") as f:
         f.write("{not json\n")
