@@ -58,7 +58,8 @@ def test_report_table_and_plots(tmp_path):
     assert rows["grt"]["unfinished"] == 0
     report = (out / "report.md").read_text()
     assert "| grt | isoflops | 1+1x3+1 | 12.35 k |" in report
-    assert "4.1000 ± 0.1414" in report and "| -0.1000 ± 0.2828 |" in report and "**4.1500**" not in report and "**4.1000**" in report
+    assert "4.1000 ± 0.1414" in report and "| -0.1000 ± 0.2828 |" in report
+    assert "**4.1000**" in report and "**4.1500**" not in report  # the trained R (3) is bold
     assert report.index("| grt |") < report.index("| dense |")  # ordered by best validation loss
     assert "| grt | 0.915 / 0.500 |" in report  # the last evaluation's gate, mean over the two seeds
     for png in ("loss_curves.png", "loss_vs_r.png"):
