@@ -53,16 +53,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: int, log_dir: Path) -> dict:
     log = log_dir / f"{cell.replace('/', '__')}-budget{budget}-seed{seed}.log"
-    cmd = ["grt-train", f"experiment={cell}", f"seed={seed}", f"experiment.budget={budget}", "resume=auto",
-           *overrides]
+    args = [f"experiment={cell}", f"seed={seed}", f"experiment.budget={budget}", "resume=auto", *overrides]
+    # This interpreter's grt-train, whether or not the environment's bin folder is on PATH.
+    cmd = [sys.executable, "-m", "grt_megatron.training.cli", *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     start = time.perf_counter()
     with log.open("a") as out:
-        out.write(f"$ {' '.join(cmd)}\n")
+        out.write(f"$ grt-train {' '.join(args)}\n")
         out.flush()
         rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     return {"cell": cell, "seed": seed, "budget": budget, "returncode": rc,
-            "seconds": round(time.perf_counter() - start, 1), "log": str(log), "command": " ".join(cmd),
+            "seconds": round(time.perf_counter() - start, 1), "log": str(log), "command": "grt-train " + " ".join(args),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
