@@ -19,9 +19,19 @@ def two_prefixes(pydoc_prefix, tmp_path_factory):
     return [str(pydoc), str(shakespeare)], tok
 
 
-def build(prefixes, tok, tmp_path, weights=None, seed=1, train=2000, split="969,30,1"):
+def build(prefixes, tok, tmp_path, weights=None, seed=1, train=2000, split="969,30,1", valid_seed=None):
     return build_gpt_datasets(prefixes, weights, tok, seq_length=64, seed=seed, train_samples=train,
-                              valid_samples=64, split=split, cache_dir=str(tmp_path / "cache"))
+                              valid_samples=64, split=split, cache_dir=str(tmp_path / "cache"),
+                              valid_seed=valid_seed)
+
+
+def test_a_fixed_validation_seed_gives_every_run_seed_the_same_windows(world, two_prefixes, tmp_path):
+    prefixes, tok = two_prefixes
+    a, b = (build(prefixes[:1], tok, tmp_path, seed=s, valid_seed=0) for s in (1, 2))
+    assert not np.array_equal(GPTDatasets.rows(a.train, 0, 16), GPTDatasets.rows(b.train, 0, 16))
+    assert np.array_equal(GPTDatasets.rows(a.valid, 0, 64), GPTDatasets.rows(b.valid, 0, 64))
+    c = build(prefixes[:1], tok, tmp_path, seed=2)  # without it, the run's seed cuts the windows
+    assert not np.array_equal(GPTDatasets.rows(b.valid, 0, 64), GPTDatasets.rows(c.valid, 0, 64))
 
 
 def test_samples_are_contiguous_token_windows(world, two_prefixes, tmp_path):

@@ -84,9 +84,12 @@ def build_gpt_datasets(
     valid_samples: int,
     split: str = "969,30,1",
     cache_dir: Optional[str] = None,
+    valid_seed: Optional[int] = None,
 ) -> GPTDatasets:
+    """`seed` orders the training samples; `valid_seed` (default `seed`) cuts and orders the validation
+    windows, so runs of different seeds can be evaluated on the same windows."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDataset
 
     if not prefixes:
         raise DataError("data.prefixes is empty")
@@ -98,7 +101,26 @@ def build_gpt_datasets(
     for prefix in prefixes:
         verify_prefix(prefix, tokenizer.identity)
     split = effective_split(prefixes, split)
-    config = GPTDatasetConfig(
+
+    def build(random_seed: int):
+        config = _dataset_config(random_seed, seq_length, prefixes, weights, split, cache_dir, tokenizer)
+        # megatron logs every index it builds at INFO; keep that out of the run's output.
+        logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
+        return BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, 0], lambda: True,
+                                             config).build()
+
+    train, valid, _ = build(seed)
+    if valid_seed is not None and valid_seed != seed:
+        _, valid, _ = build(valid_seed)
+    if train is None or valid is None:
+        raise DataError(f"data.split={split!r} leaves no documents for training or validation")
+    return GPTDatasets(train=train, valid=valid)
+
+
+def _dataset_config(seed, seq_length, prefixes, weights, split, cache_dir, tokenizer):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    return GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         # One prefix: no blend weights (megatron would wrap it in a blend of one, and say so).
@@ -112,11 +134,3 @@ def build_gpt_datasets(
         create_attention_mask=False,
         mmap_bin_files=True,
     )
-    # megatron logs every index it builds at INFO; keep that out of the run's output.
-    logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config
-    ).build()
-    if train is None or valid is None:
-        raise DataError(f"data.split={split!r} leaves no documents for training or validation")
-    return GPTDatasets(train=train, valid=valid)

@@ -81,6 +81,9 @@ class DataConfig:
     tokenizer: Optional[str] = None
     """A sentencepiece .model or HF tokenizer folder/name; None: the one prepared with the first prefix
     (`PREFIX.tokenizer.model`), or, with `source`, train one of `vocab_size`."""
+    valid_seed: Optional[int] = 0
+    """Seed that cuts and orders the validation windows: fixed (0) so that runs of different seeds are
+    evaluated on the same windows; None: the run's seed (what runs before this field did)."""
     vocab_size: int = 8192
     text_key: str = "text"
     on_bad_record: str = "fail"

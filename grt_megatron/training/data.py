@@ -103,7 +103,7 @@ def setup_training_data(cfg: RunConfig, run_dir: Path, info: DistributedInfo, se
     kwargs = dict(
         seq_length=seq_length, seed=cfg.seed, train_samples=train_samples,
         valid_samples=valid_samples, split=cfg.data.split,
-        cache_dir=cfg.data.cache_dir or str(run_dir / "data" / "cache"),
+        cache_dir=cfg.data.cache_dir or str(run_dir / "data" / "cache"), valid_seed=cfg.data.valid_seed,
     )
     # Called on every rank at once: megatron's builder itself builds the index caches on rank 0, waits at
     # a barrier, then lets the other ranks read them. Our checks before it are deterministic, so a bad
