@@ -36,6 +36,11 @@ _PORTABLE_DEFAULTS = dict(
 )
 
 
+def mor_capacity(seq_len: int, recurrences: int, step: int) -> int:
+    """MoR: tokens per sequence that run recursion `step` (0-based) of R: ceil(S·(R − step)/R)."""
+    return math.ceil(seq_len * (recurrences - step) / recurrences)
+
+
 class ConfigError(ValueError):
     """A model or run configuration that cannot be built; the message names the field."""
 

@@ -8,7 +8,7 @@ heavy-tail sampler's no-grad steps; recomputation from activation checkpointing 
 
 from __future__ import annotations
 
-from grt_megatron.model.config import GRTConfig
+from grt_megatron.model.config import GRTConfig, mor_capacity
 from grt_megatron.model.depth_sampler import DepthDraw
 
 
@@ -32,13 +32,11 @@ def _recurrence_extra_flops(cfg: GRTConfig) -> int:
 def _mor_flops(cfg: GRTConfig, seq_len: int, recurrences: int) -> tuple[float, float]:
     """(core layer FLOPs, router FLOPs) per token of MoR: recursion r runs on its capacity's share of the
     tokens, attending over that many positions."""
-    import math
-
     layers = routers = 0.0
     active = seq_len
     for r in range(recurrences):
         routers += 2 * cfg.hidden_size * active / seq_len
-        active = math.ceil(seq_len * (cfg.recurrences - r) / cfg.recurrences)
+        active = mor_capacity(seq_len, cfg.recurrences, r)
         layers += cfg.core_layers * _layer_flops(cfg, active) * active / seq_len
     return layers, routers
 

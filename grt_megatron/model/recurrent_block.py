@@ -30,7 +30,6 @@ same parameter names and a checkpoint moves between the two unchanged.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -41,7 +40,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from grt_megatron.model.config import GRTConfig
+from grt_megatron.model.config import GRTConfig, mor_capacity
 from grt_megatron.model.init import piece_rng
 
 
@@ -228,10 +227,7 @@ class GatedRecurrentBlock(MegatronModule):
         self.step_stats.append({"gate_mean": float("nan") if g is None else float(g.float().mean()),
                                 "relative_update": float(update)})
 
-    @staticmethod
-    def mor_capacity(seq_len: int, recurrences: int, step: int) -> int:
-        """Tokens per sequence that run recursion `step` (0-based): ceil(S·(R − step)/R)."""
-        return math.ceil(seq_len * (recurrences - step) / recurrences)
+    mor_capacity = staticmethod(mor_capacity)
 
     def run_mor(self, h: torch.Tensor, inputs: "StepInputs", recurrences: int) -> torch.Tensor:
         """Mixture-of-Recursions with expert-choice routing (see the module docstring). h: [s, b, d]."""
