@@ -3,6 +3,7 @@ small grid end to end (restartable: finished cells return at once)."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,13 @@ def test_grid_and_report_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     env["GRT_RECIPES"] = str(REPO / "recipes")
+    # A caller that is itself a rank (pytest after an in-process run, or a grid inside torchrun) passes
+    # RANK and a MASTER_PORT it holds: each job must still start its own world of one.
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(held.getsockname()[1]))
     grid = [sys.executable, "-m", "grt_megatron.launch.grid", "cpu/grt_isoflops_core2", "cpu/mor_isoflops",
             "--seeds", "1", "2", "--workers", "2", "--log-dir", "logs", "--",
             "train.iters=6", "train.eval_interval=3", "train.eval_iters=2", "checkpoint.interval=3"]
@@ -91,3 +99,4 @@ def test_grid_and_report_end_to_end(tmp_path):
     assert rows["cpu/grt_isoflops_core2"]["flops_per_token_executed"] < rows["cpu/grt_isoflops_core2"][
         "flops_per_token_nominal"]
     assert Path(out / "loss_vs_r.png").stat().st_size > 10_000
+    held.close()

@@ -51,12 +51,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                "MASTER_ADDR", "MASTER_PORT"}
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    """The last lines of a failed job's log: usually the one-line error that says why."""
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join("    " + line for line in text[-lines:])
+
+
 def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: int, log_dir: Path) -> dict:
     log = log_dir / f"{cell.replace('/', '__')}-budget{budget}-seed{seed}.log"
     args = [f"experiment={cell}", f"seed={seed}", f"experiment.budget={budget}", "resume=auto", *overrides]
     # This interpreter's grt-train, whether or not the environment's bin folder is on PATH.
     cmd = [sys.executable, "-m", "grt_megatron.training.cli", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    # Each job is a world of one on its own free port: a launcher's RANK / MASTER_PORT inherited from
+    # the caller (a grid started inside torchrun, or a process that already joined a process group)
+    # would make every job bind the same, taken port.
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     start = time.perf_counter()
     with log.open("a") as out:
         out.write(f"$ grt-train {' '.join(args)}\n")
@@ -84,6 +101,7 @@ def main(argv=None) -> None:
                        f"{result['seconds']:.0f} s ({result['log']})")
             if result["returncode"]:
                 failed.append(result)
+                tqdm.write(log_tail(Path(result["log"])))
     print(f"grid: {len(jobs) - len(failed)}/{len(jobs)} runs finished in {time.perf_counter() - start:.0f} s")
     if failed:
         sys.exit(1)
