@@ -290,12 +290,26 @@ def _write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def plot_loss_curves(runs: list[Run], rows: list[dict], path: Path) -> None:
+def _pyplot():
+    """matplotlib without a display (SLURM nodes, CI); imported only when a plot is drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    _write_atomic(path, lambda p: fig.savefig(p, dpi=120, format="png"))
+    plt.close(fig)
+
+
+def plot_loss_curves(runs: list[Run], rows: list[dict], path: Path) -> None:
+    plt = _pyplot()
     # The dense reference ("both") is drawn in every comparison's panel rather than in one of its own.
     comparisons = sorted({r["comparison"] for r in rows} - {"both"}) or ["both"]
     fig, axes = plt.subplots(1, len(comparisons), figsize=(6.5 * len(comparisons), 4.5), squeeze=False)
@@ -324,20 +338,14 @@ def plot_loss_curves(runs: list[Run], rows: list[dict], path: Path) -> None:
         ax.set_ylim(min(finals) - 0.05, max(r.valid[min(2, len(r.valid) - 1)][1] for r in runs) + 0.05)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    _write_atomic(path, lambda p: fig.savefig(p, dpi=120, format="png"))
-    plt.close(fig)
+    _save_figure(fig, path)
 
 
 def plot_loss_vs_r(rows: list[dict], path: Path) -> bool:
     swept = [r for r in rows if len(r["depth_sweep"]) > 1]
     if not swept:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in swept:
         ks = sorted(r["depth_sweep"])
@@ -350,9 +358,7 @@ def plot_loss_vs_r(rows: list[dict], path: Path) -> bool:
     ax.set_title("under- and over-recurrence")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    _write_atomic(path, lambda p: fig.savefig(p, dpi=120, format="png"))
-    plt.close(fig)
+    _save_figure(fig, path)
     return True
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+from grt_megatron.model.config import GRTConfig
 
 # Changes a run cannot continue through, with why. Everything else (steps, LR schedule, logging,
 # intervals, layout: TP/PP/DP/ZeRO, precision, micro-batch size) is applied and listed.
@@ -52,8 +55,10 @@ def compare_configs(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[st
     return refused, applied
 
 
-# Model fields added after checkpoints were first written: a checkpoint without them had these values.
-MODEL_FIELD_DEFAULTS = {"routing": "none", "router_aux_loss_coeff": 0.01}
+# Model fields added after checkpoints were first written: a checkpoint without them ran with what is
+# now their default (the default is the old behaviour), read from GRTConfig so the two cannot drift.
+MODEL_FIELDS_ADDED_LATER = ("routing", "router_aux_loss_coeff")
+MODEL_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRTConfig) if f.name in MODEL_FIELDS_ADDED_LATER}
 
 
 def compare_models(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
