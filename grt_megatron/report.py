@@ -51,7 +51,11 @@ class Run:
     finished: bool = True
     """False while the run has not reached train.iters (its numbers are provisional)."""
     diagnostics: dict[str, float] = field(default_factory=dict)
-    """The last evaluation's `gate_mean_rN` / `relative_update_rN` (does the gate learn, does h move)."""
+    """The last evaluation's `gate_mean_rN` / `relative_update_rN` (does the gate learn, does h move) and,
+    for MoR, `active_fraction_rN` (the share of tokens that ran recursion N)."""
+    other_routing: dict[str, float] = field(default_factory=dict)
+    """MoR: the best validation loss under its other evaluation routing (`loss_topk_routing` or
+    `loss_threshold_routing`), besides `loss` under the run's own."""
 
     @property
     def best_valid(self) -> float:
@@ -106,7 +110,7 @@ def load_run(path: Path) -> Optional[Run]:
         raise ReportError(f"{path / 'run_info.json'}: no 'model' section")
     seq_len = (config.get("train") or {}).get("seq_length") or model.get("max_sequence_length", 1024)
     tokens_per_step = None
-    train, valid, sweep, executed, diagnostics = [], [], {}, [], {}
+    train, valid, sweep, executed, diagnostics, other_routing = [], [], {}, [], {}, {}
     for r in records:
         split = r.get("split", "train")
         if split == "train" and "loss" in r:
@@ -118,7 +122,11 @@ def load_run(path: Path) -> Optional[Run]:
                 executed.append(float(r["flops_per_s"]) / float(r["tokens_per_s"]))
         elif split == "valid":
             valid.append((int(r["step"]), float(r["loss"])))
-            diagnostics = {k: float(v) for k, v in r.items() if k.startswith(("gate_mean_r", "relative_update_r"))}
+            diagnostics = {k: float(v) for k, v in r.items()
+                           if k.startswith(("gate_mean_r", "relative_update_r", "active_fraction_r"))}
+            for k, v in r.items():
+                if k.startswith("loss_") and k.endswith("_routing"):
+                    other_routing[k] = min(float(v), other_routing.get(k, math.inf))
         elif split == "depth_sweep":
             sweep[int(r["recurrences"])] = float(r["loss"])
     if not valid:
@@ -134,7 +142,7 @@ def load_run(path: Path) -> Optional[Run]:
         flops_executed=statistics.fmean(executed) if executed else float("nan"),
         tokens=train[-1][0] if train else 0, steps=max(int(r["step"]) for r in records),
         valid=[(step * tokens_per_step, loss) for step, loss in valid], train=train, depth_sweep=sweep,
-        diagnostics=diagnostics, finished=max(int(r["step"]) for r in records) >= int(
+        diagnostics=diagnostics, other_routing=other_routing, finished=max(int(r["step"]) for r in records) >= int(
             (config.get("train") or {}).get("iters", 0)),
     )
 
@@ -189,6 +197,8 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
             "depth_sweep": {r: statistics.fmean(run.depth_sweep[r] for run in group) for r in depths},
             "diagnostics": {k: statistics.fmean(r.diagnostics[k] for r in group)
                             for k in sorted(set.intersection(*(set(r.diagnostics) for r in group)))},
+            "other_routing": {k: _mean_std([r.other_routing[k] for r in group])
+                              for k in sorted(set.intersection(*(set(r.other_routing) for r in group)))},
             "runs": [str(r.path) for r in group],
         })
     _paired_with_dense(rows, cells)
@@ -277,6 +287,26 @@ def markdown(rows: list[dict], command: str) -> str:
             cells = [f"{d[f'gate_mean_r{k}']:.3f} / {d[f'relative_update_r{k}']:.3f}"
                      if f"gate_mean_r{k}" in d and f"relative_update_r{k}" in d else "" for k in range(1, depth + 1)]
             lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
+    routed = [r for r in rows if r["other_routing"]]
+    if routed:
+        depth = max(int(k.rsplit("_r", 1)[1]) for r in routed for k in r["diagnostics"]
+                    if k.startswith("active_fraction_r"))
+        lines += ["", "## MoR: routing at evaluation", "",
+                  "Training routes by per-sequence top-k, which compares each token's router score with later "
+                  "tokens' scores; the causal rule a decoder can use keeps a token while its router's sigmoid is "
+                  "> 0.5 (`model.mor_eval_routing`, `threshold` by default; the tables above use it). Best "
+                  "validation loss under each rule (mean ± std over seeds), and the share of tokens that ran each "
+                  "recursion under the run's own rule at the last evaluation.", "",
+                  "| cell | reported rule | " + " | ".join(
+                      k.removeprefix("loss_").removesuffix("_routing") for k in routed[0]["other_routing"])
+                  + " | " + " | ".join(f"active r={k}" for k in range(1, depth + 1)) + " |",
+                  "|---|---:|" + "---:|" * (len(routed[0]["other_routing"]) + depth)]
+        for r in routed:
+            others = [_fmt_std(*r["other_routing"][k]) for k in routed[0]["other_routing"]]
+            active = [f"{r['diagnostics'][f'active_fraction_r{k}']:.2f}"
+                      if f"active_fraction_r{k}" in r["diagnostics"] else "" for k in range(1, depth + 1)]
+            lines.append(f"| {r['cell']} | {_fmt_std(r['best_valid_mean'], r['best_valid_std'])} | "
+                         + " | ".join(others + active) + " |")
     lines += ["", "![validation loss curves](loss_curves.png)", ""]
     if swept:
         lines += ["![loss vs R at inference](loss_vs_r.png)", ""]

@@ -74,6 +74,7 @@ def test_mor_router_capacity_shrinks_with_depth_and_leavers_skip_later_recursion
     config = tiny_config(**MOR, recurrences=4)
     model = GRTLanguageModel(config).eval()
     block, s, d = model.block, 16, config.hidden_size
+    block.mor_eval_routing = "topk"  # the training rule, without training's router loss
     core_tokens, router_tokens = [], []
     block.core[0].register_forward_pre_hook(lambda m, args: core_tokens.append(args[0].shape[0]))
     for router in block.routers:
@@ -96,6 +97,52 @@ def test_mor_router_capacity_shrinks_with_depth_and_leavers_skip_later_recursion
         moved_before = moved
 
 
+def test_mor_threshold_routing_is_causal_and_per_sequence(world):
+    config = tiny_config(**MOR, recurrences=4)
+    assert config.mor_eval_routing == "threshold"
+    model = GRTLanguageModel(config, init_seed=1).eval()
+    block, s = model.block, 16
+    tokens = torch.randint(0, config.vocab_size, (4, s), generator=torch.Generator().manual_seed(2))
+    changed = tokens.clone()
+    changed[:, s // 2 :] = torch.randint(0, config.vocab_size, (4, s - s // 2), generator=torch.Generator().manual_seed(3))
+
+    def logits(batch, routing):
+        block.mor_eval_routing = routing
+        with torch.no_grad():
+            return model(batch)
+
+    # Threshold: a token's depth depends on itself and earlier tokens, so later tokens change nothing before
+    # them (up to rounding: the compact sequences' lengths differ). Top-k (the training rule) compares
+    # scores across the sequence: later tokens move earlier predictions.
+    def moved_before_the_change(routing):
+        return (logits(tokens, routing) - logits(changed, routing))[:, : s // 2].abs().max().item()
+
+    assert moved_before_the_change("threshold") < 1e-5
+    assert moved_before_the_change("topk") > 1e-2
+
+    # Sequences keep different numbers of tokens (their compact columns are padded): each sequence of
+    # the batch gets exactly what it gets alone, and the tokens that move at recursion r are those whose
+    # router says > 0.5 among the tokens that moved at r - 1 (all of them at r = 1, where training keeps all).
+    block.mor_eval_routing = "threshold"
+    with torch.no_grad():
+        h = model.embedding(input_ids=tokens, position_ids=torch.arange(s).expand(4, s))
+        inputs = StepInputs(causal_attention_mask(s, h.device))
+        h = block._run(block.prelude, h, inputs)
+        outs = [block.run_mor(h, inputs, r) for r in range(5)]
+        alone = [block.run_mor(h[:, i : i + 1], inputs, 4) for i in range(4)]
+    assert torch.allclose(torch.cat(alone, dim=1), outs[4], atol=1e-6)
+    active = torch.ones(s, 4, dtype=torch.bool)
+    counts = []
+    for r in range(4):
+        with torch.no_grad():
+            wants = block.routers[r](outs[r]).squeeze(-1) > 0 if r else torch.ones(s, 4, dtype=torch.bool)
+        moved = (outs[r + 1] != outs[r]).any(-1)
+        assert torch.equal(moved, active & wants)
+        active = moved
+        counts.append(active.sum(0).tolist())
+    assert any(len(set(c)) > 1 for c in counts)  # the padding was exercised
+
+
 def test_mor_trains_with_its_router_loss_and_counts_its_parameters(world):
     config = tiny_config(**MOR, recurrences=3)
     model = GRTLanguageModel(config)
@@ -108,6 +155,7 @@ def test_mor_trains_with_its_router_loss_and_counts_its_parameters(world):
     with torch.no_grad():
         train_loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
         aux = model.block.aux_loss
+        model.block.mor_eval_routing = "topk"  # the same routing as training, without the router loss
         eval_loss = model.eval()(tokens[:, :-1], tokens[:, 1:]).mean()
     # In training the mean loss carries the weighted router loss once; evaluation reports the LM loss only.
     assert train_loss.item() == pytest.approx(eval_loss.item() + config.router_aux_loss_coeff * aux.item(), rel=1e-5)

@@ -2,6 +2,7 @@
 small grid end to end (restartable: finished cells return at once)."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -78,6 +79,11 @@ def test_grid_and_report_end_to_end(tmp_path):
     run = tmp_path / "runs/experiments/cpu/mor_isoflops/budget1.0/seed2"
     records = read_jsonl(run / "metrics.jsonl")
     assert [r["recurrences"] for r in records if r.get("split") == "depth_sweep"] == [1, 2, 3, 4]  # MoR: up to R
+    # MoR is evaluated under the causal threshold (`loss`) and under training's top-k; the share of tokens
+    # that ran each recursion is logged.
+    evals = [r for r in records if r.get("split") == "valid"]
+    assert evals and all(math.isfinite(r["loss_topk_routing"]) and r["active_fraction_r1"] == 1.0 for r in evals)
+    assert all(0 <= r["active_fraction_r4"] <= 1 for r in evals)
     core2 = read_jsonl(tmp_path / "runs/experiments/cpu/grt_isoflops_core2/budget1.0/seed1/metrics.jsonl")
     assert [r["recurrences"] for r in core2 if r.get("split") == "depth_sweep"] == [1, 2, 3, 4, 5, 6]  # R + 4
 

@@ -13,7 +13,7 @@ MODEL = dict(hidden_size=64, num_attention_heads=4, vocab_size=300, max_sequence
              core_layers=1, coda_layers=1, recurrences=3, add_bias_linear=False)
 
 
-def fake_run(path, cell, seed, valid, sweep=None, comparison="isoflops", model=None):
+def fake_run(path, cell, seed, valid, sweep=None, comparison="isoflops", model=None, valid_extra=None):
     path.mkdir(parents=True)
     model = {**MODEL, **(model or {})}
     (path / "run_info.json").write_text(json.dumps({
@@ -26,7 +26,7 @@ def fake_run(path, cell, seed, valid, sweep=None, comparison="isoflops", model=N
         lines.append({"step": 10 * step, "loss": loss + 0.1, "tokens": 10 * step * 64, "flops_per_token": 1000.0 * step,
                       "tokens_per_s": 1.0, "flops_per_s": 1.0})
         lines.append({"step": 10 * step, "split": "valid", "loss": loss, "gate_mean_r1": 0.9 + 0.01 * seed,
-                      "relative_update_r1": 0.5})
+                      "relative_update_r1": 0.5, **(valid_extra(step, loss) if valid_extra else {})})
     for r, loss in (sweep or {}).items():
         lines.append({"step": 10 * len(valid), "split": "depth_sweep", "recurrences": r, "loss": loss})
     (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -71,6 +71,24 @@ def test_report_table_and_plots(tmp_path):
     write_report(find_runs([tmp_path / "runs/b"]), out, "test")
     assert not (out / "loss_vs_r.png").exists()
     assert "| dense |" in (out / "report.md").read_text()
+
+
+def test_report_shows_mor_under_both_routings(tmp_path):
+    for seed, top_k in ((1, [4.0, 3.5]), (2, [4.2, 3.7])):
+        fake_run(tmp_path / f"runs/mor/s{seed}", "mor", seed, [4.5, 4.0],
+                 valid_extra=lambda step, loss, top_k=top_k: {
+                     "loss_topk_routing": top_k[step - 1], "active_fraction_r1": 1.0,
+                     "active_fraction_r2": 0.5 + 0.1 * step})
+    fake_run(tmp_path / "runs/grt/s1", "grt", 1, [4.4, 4.1])
+    rows = {r["cell"]: r for r in summarize(find_runs([tmp_path / "runs"]))}
+    assert rows["grt"]["other_routing"] == {}
+    mean, std = rows["mor"]["other_routing"]["loss_topk_routing"]  # best per run: 3.5 and 3.7
+    assert mean == pytest.approx(3.6) and std == pytest.approx(statistics.stdev([3.5, 3.7]))
+    write_report(find_runs([tmp_path / "runs"]), tmp_path / "report", "test")
+    report = (tmp_path / "report/report.md").read_text()
+    assert "## MoR: routing at evaluation" in report
+    assert "| mor | 4.0000 ± 0.0000 | 3.6000 ± 0.1414 | 1.00 | 0.70 |" in report
+    assert "| grt | 4.1000 |" not in report.split("## MoR")[1]
 
 
 def test_report_names_the_bad_file(tmp_path):

@@ -19,8 +19,8 @@ REFUSED = {
     "data.split": "the data order", "data.tokenizer": "the tokenizer",
 }
 IGNORED = ("resume", "run.dir")
-# Model fields that change memory or speed, not the math.
-MODEL_ALLOWED = ("checkpoint_recurrence",)
+# Model fields that change memory, speed or evaluation, not the training math.
+MODEL_ALLOWED = ("checkpoint_recurrence", "mor_eval_routing")
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -21,6 +21,7 @@ INITIAL_STATES = ("prelude", "random")
 POSITION_EMBEDDINGS = ("learned", "rope")
 DEPTH_SAMPLERS = ("fixed", "uniform", "heavy_tail")
 ROUTINGS = ("none", "expert_choice")
+MOR_EVAL_ROUTINGS = ("threshold", "topk")
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
 
 # Settings that only make sense with CUDA kernels (apex / TE / fused jit). grt-megatron builds the
@@ -92,6 +93,12 @@ class GRTConfig(TransformerConfig):
     router_aux_loss_coeff: float = 0.01
     """Weight of MoR's auxiliary loss: binary cross-entropy teaching each router's sigmoid to predict its
     own top-k choice, so that a causal threshold (0.5) can replace top-k at generation time."""
+    mor_eval_routing: str = "threshold"
+    """Which tokens MoR recurs outside training (training is always top-k): `threshold`, a token stays while
+    its router's sigmoid is > 0.5 (all stay where training's capacity is the whole sequence), which depends
+    on earlier tokens only (what decoding can do); `topk`, the
+    training rule, whose per-sequence top-k compares a token's score with later tokens' scores, so its loss
+    is not that of a causal language model."""
 
     checkpoint_recurrence: bool = False
     """Recompute each recurrence step in backward so activation memory does not grow with R."""
@@ -107,6 +114,7 @@ class GRTConfig(TransformerConfig):
             ("position_embedding", POSITION_EMBEDDINGS),
             ("depth_sampler", DEPTH_SAMPLERS),
             ("routing", ROUTINGS),
+            ("mor_eval_routing", MOR_EVAL_ROUTINGS),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -241,6 +249,7 @@ RECIPE_FIELDS = (
     "heavy_tail_k",
     "routing",
     "router_aux_loss_coeff",
+    "mor_eval_routing",
     "checkpoint_recurrence",
     "make_vocab_size_divisible_by",
 )

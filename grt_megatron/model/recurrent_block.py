@@ -19,7 +19,9 @@ Mixture-of-Recursions (`routing="expert_choice"`) replaces the gate with one rou
     h_t += w_t · (Core(h_{A_r})_t − h_t) for t in A_r             (the others have left: unchanged from now on)
 
 The core attends among the active positions only (causally); an auxiliary binary cross-entropy teaches
-each router to predict its own top-k choice.
+each router to predict its own top-k choice. The top-k compares a token's score with later tokens' scores,
+so outside training the default rule is the causal one the loss prepares for: A_r = {t in A_{r-1}: w_t > 0.5}
+where k_r < S (`mor_eval_routing`).
 
 eps_x, eps_g ~ N(0, sigma²), fresh at every step, in training only. With `gate="none"` the update is
 h_r = o_r; with `injection="add"` x_r = h_{r-1} + eps_x + h_pre, with `injection="none"` x_r = h_{r-1} + eps_x.
@@ -117,6 +119,8 @@ class GatedRecurrentBlock(MegatronModule):
                     torch.nn.Linear(d, 1, bias=False, dtype=config.params_dtype) for _ in range(config.recurrences))
                 for router in self.routers:
                     config.init_method(router.weight)
+        self.mor_eval_routing = config.mor_eval_routing
+        """MoR outside training: `threshold` (causal) or `topk`; the trainer evaluates with both."""
         self.aux_loss: Optional[torch.Tensor] = None
         """MoR's auxiliary router loss of the last training forward (unweighted), else None."""
         self.step_stats: Optional[list[dict[str, float]]] = None
@@ -222,10 +226,10 @@ class GatedRecurrentBlock(MegatronModule):
         return h_new
 
     @torch.no_grad()
-    def _record_stats(self, h, h_new, g) -> None:
+    def _record_stats(self, h, h_new, g, **extra: float) -> None:
         update = (h_new - h).float().norm() / h.float().norm().clamp_min(1e-12)
         self.step_stats.append({"gate_mean": float("nan") if g is None else float(g.float().mean()),
-                                "relative_update": float(update)})
+                                "relative_update": float(update), **extra})
 
     mor_capacity = staticmethod(mor_capacity)
 
@@ -235,27 +239,43 @@ class GatedRecurrentBlock(MegatronModule):
         trained = self.config.recurrences
         if recurrences > trained:
             raise ValueError(f"MoR has routers for {trained} recursions; cannot run {recurrences}")
-        active = torch.arange(s, device=h.device).unsqueeze(1).expand(s, b)  # [n, b] positions, ascending
+        causal = not self.training and self.mor_eval_routing == "threshold"
+        # The tokens still recurring, as positions in ascending order, one column per sequence. Under the
+        # causal threshold sequences keep different numbers of tokens: a column is padded at its end with
+        # positions that have left (`valid` False), which no real token attends to under causal attention.
+        active = torch.arange(s, device=h.device).unsqueeze(1).expand(s, b)
+        valid = torch.ones(s, b, dtype=torch.bool, device=h.device)
         aux = []
         for r in range(recurrences):
             candidates = h.gather(0, active.unsqueeze(-1).expand(-1, -1, d))
             logits = self.routers[r](candidates).squeeze(-1).float()  # [n, b]
-            k = self.mor_capacity(s, trained, r)
-            chosen = torch.arange(active.shape[0], device=h.device).unsqueeze(1).expand_as(active)
-            if k < active.shape[0]:
-                chosen = logits.topk(k, dim=0).indices.sort(dim=0).values  # keep positions in order
+            n, k = active.shape[0], self.mor_capacity(s, trained, r)
+            if causal:
+                # sigmoid > 0.5: the token's own score alone decides. Where training keeps every token
+                # (capacity S, the first recursion), so does evaluation.
+                keep = valid if k >= s else valid & (logits > 0)
+            elif k >= n:
+                keep = valid
+            else:
+                keep = torch.zeros_like(valid).scatter_(0, logits.topk(k, dim=0).indices, True)
             if self.training:
-                target = torch.zeros_like(logits).scatter_(0, chosen, 1.0)
-                aux.append(F.binary_cross_entropy_with_logits(logits, target))
-            active = active.gather(0, chosen)
+                aux.append(F.binary_cross_entropy_with_logits(logits, keep.float()))
+            # Kept tokens first, in position order; a column with fewer of them is padded by left ones.
+            index = torch.arange(n, device=h.device).unsqueeze(1)
+            width = int(keep.sum(0).max())
+            chosen = torch.where(keep, index, index + n).argsort(dim=0)[:width]
+            active, valid = active.gather(0, chosen), keep.gather(0, chosen)
+            if width == 0:  # every token has left
+                break
             x = candidates.gather(0, chosen.unsqueeze(-1).expand(-1, -1, d))
             # The compact sequence keeps the positions' order, so the layers' causal attention is causal
             # among the active tokens: a token attends to the earlier tokens that are still recurring.
             o = self._run(self.core, x, inputs)
             w = torch.sigmoid(logits.gather(0, chosen)).unsqueeze(-1).to(x.dtype)
-            h_new = h.scatter(0, active.unsqueeze(-1).expand(-1, -1, d), x + w * (o - x))
+            update = torch.where(valid.unsqueeze(-1), x + w * (o - x), x)
+            h_new = h.scatter(0, active.unsqueeze(-1).expand(-1, -1, d), update)
             if self.step_stats is not None:
-                self._record_stats(h, h_new, w)
+                self._record_stats(h, h_new, w[valid], active_fraction=float(valid.sum()) / (s * b))
             h = h_new
         self.aux_loss = torch.stack(aux).sum() if aux else None
         return h

@@ -354,10 +354,25 @@ class Trainer:
         return {**stats, "loss": self._dp_mean(total / self.accumulation),
                 "grad_norm": None if grad_norm is None else float(grad_norm)}
 
+    def evaluate_other_mor_routing(self) -> dict[str, float]:
+        """MoR: the validation loss under the evaluation routing the run does not report as `loss`
+        (`loss_topk_routing` or `loss_threshold_routing`), so both the causal and the training rule are
+        on record. Empty for every other model."""
+        if self.model_config.routing == "none":
+            return {}
+        block = self.engine.module.block
+        other = "topk" if self.model_config.mor_eval_routing == "threshold" else "threshold"
+        block.mor_eval_routing = other
+        try:
+            return {f"loss_{other}_routing": self.evaluate(record_stats=False)}
+        finally:
+            block.mor_eval_routing = self.model_config.mor_eval_routing
+
     @torch.no_grad()
-    def evaluate(self, recurrences: Optional[int] = None) -> float:
+    def evaluate(self, recurrences: Optional[int] = None, record_stats: bool = True) -> float:
         """Mean validation loss per token at the configured R (or `recurrences`), noise off (eval mode),
-        over the fixed validation windows; data-parallel ranks share the windows and sum their losses."""
+        over the fixed validation windows; data-parallel ranks share the windows and sum their losses.
+        `record_stats`: keep the gate diagnostics of the first micro-batch in `eval_step_stats`."""
         if self.pipelined:
             return self._evaluate_pipelined(recurrences)
         self.engine.eval()
@@ -366,9 +381,10 @@ class Trainer:
         block = self.engine.module.block
         for start in range(0, len(mine), self.micro_batch):
             tokens, labels = self._to_device(mine[start : start + self.micro_batch])
-            block.step_stats = [] if start == 0 else None  # gate diagnostics from the first micro-batch
+            first = start == 0 and record_stats
+            block.step_stats = [] if first else None  # gate diagnostics from the first micro-batch
             loss = self.engine(tokens, labels, recurrences)
-            if start == 0:
+            if first:
                 self.eval_step_stats = block.step_stats
             sums += torch.stack([loss.double().sum(), torch.tensor(loss.numel(), dtype=torch.float64)])
         block.step_stats = None
@@ -463,7 +479,8 @@ class Trainer:
                      for key, value in stats.items() if value == value}  # NaN: no gate in this model
             self.logger.log({"step": step, "split": "valid", "loss": valid,
                              "perplexity": float(np.exp(min(valid, 50.0))),
-                             "recurrences": self.model_config.recurrences, **gates})
+                             "recurrences": self.model_config.recurrences, **gates,
+                             **self.evaluate_other_mor_routing()})
             if self.info.is_main:
                 progress.write(f"step {step}: train loss {loss:.4f}, valid loss {valid:.4f} "
                                f"(R={self.model_config.recurrences})")
