@@ -5,7 +5,8 @@
 RUN_DIRS are run directories (`run_info.json` + `metrics.jsonl`) or folders searched for them. Runs are
 grouped into cells by `experiment.name` and `experiment.budget` (else by run name or model shape); a cell's
 seeds give the mean ± sample standard deviation. Any subset of a grid works. The output folder gets
-`report.md`, `summary.json`, `loss_curves.png` and `loss_vs_r.png`; each file is written whole or not at all.
+`report.md`, `summary.json`, `loss_curves.png`, `delta_vs_dense.png` and `loss_vs_r.png`; each file is
+written whole or not at all.
 """
 
 from __future__ import annotations
@@ -215,9 +216,11 @@ def _paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run
     for row in rows:
         group = cells[(row["cell"], row["budget"])]
         reference = dense.get((group[0].scale, row["budget"]))
-        diffs = [r.best_valid - reference[r.seed] for r in group if reference and r.seed in reference]
-        row["delta_vs_dense_mean"], row["delta_vs_dense_std"] = _mean_std(diffs) if diffs else (None, None)
+        diffs = {r.seed: r.best_valid - reference[r.seed] for r in group if reference and r.seed in reference}
+        row["delta_vs_dense_mean"], row["delta_vs_dense_std"] = (_mean_std(list(diffs.values())) if diffs
+                                                                 else (None, None))
         row["delta_vs_dense_seeds"] = len(diffs)
+        row["delta_vs_dense_by_seed"] = diffs
 
 
 def _fmt_std(mean: float, std: float) -> str:
@@ -308,6 +311,8 @@ def markdown(rows: list[dict], command: str) -> str:
             lines.append(f"| {r['cell']} | {_fmt_std(r['best_valid_mean'], r['best_valid_std'])} | "
                          + " | ".join(others + active) + " |")
     lines += ["", "![validation loss curves](loss_curves.png)", ""]
+    if any(r["variant"] != "dense" and r["delta_vs_dense_seeds"] for r in rows):
+        lines += ["![difference to dense, seed by seed](delta_vs_dense.png)", ""]
     if swept:
         lines += ["![loss vs R at inference](loss_vs_r.png)", ""]
     return "\n".join(lines)
@@ -392,12 +397,37 @@ def plot_loss_vs_r(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def plot_delta_vs_dense(rows: list[dict], path: Path) -> bool:
+    """Each cell's best validation loss minus dense's, seed by seed (dots) and their mean (bar)."""
+    paired = [r for r in rows if r["variant"] != "dense" and r["delta_vs_dense_seeds"]]
+    if not paired:
+        return False
+    plt = _pyplot()
+    paired = sorted(paired, key=lambda r: (r["budget"], r["delta_vs_dense_mean"]))
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(paired) + 1.5))
+    for y, r in enumerate(paired):
+        ax.barh(y, r["delta_vs_dense_mean"], color="tab:red" if r["delta_vs_dense_mean"] > 0 else "tab:green",
+                alpha=0.4)
+        seeds = r["delta_vs_dense_by_seed"]
+        ax.plot(list(seeds.values()), [y] * len(seeds), "o", color="black", markersize=3)
+    ax.set_yticks(range(len(paired)), [r["cell"] + ("" if r["budget"] == 1.0 else f" ({r['budget']:g}×)")
+                                       for r in paired], fontsize=8)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("best validation loss − dense's, same seed (nats/token; dots: seeds, bar: mean)")
+    ax.set_title("Δ vs dense (left of 0: better than dense)")
+    ax.grid(alpha=0.3, axis="x")
+    _save_figure(fig, path)
+    return True
+
+
 def write_report(runs: list[Run], output: Path, command: str) -> list[dict]:
     rows = summarize(runs)
     output.mkdir(parents=True, exist_ok=True)
     plot_loss_curves(runs, rows, output / "loss_curves.png")
-    if not plot_loss_vs_r(rows, output / "loss_vs_r.png") and (output / "loss_vs_r.png").exists():
-        (output / "loss_vs_r.png").unlink()  # a stale plot from an earlier report of other runs
+    for name, plot in (("loss_vs_r.png", plot_loss_vs_r), ("delta_vs_dense.png", plot_delta_vs_dense)):
+        if not plot(rows, output / name) and (output / name).exists():
+            (output / name).unlink()  # a stale plot from an earlier report of other runs
     _write_atomic(output / "summary.json", lambda p: p.write_text(json.dumps(rows, indent=2) + "\n"))
     _write_atomic(output / "report.md", lambda p: p.write_text(markdown(rows, command)))
     return rows

@@ -62,14 +62,15 @@ def test_report_table_and_plots(tmp_path):
     assert "**4.1000**" in report and "**4.1500**" not in report  # the trained R (3) is bold
     assert report.index("| grt |") < report.index("| dense |")  # ordered by best validation loss
     assert "| grt | 0.915 / 0.500 |" in report  # the last evaluation's gate, mean over the two seeds
-    for png in ("loss_curves.png", "loss_vs_r.png"):
+    assert rows["grt"]["delta_vs_dense_by_seed"] == {"1": pytest.approx(-0.3), "2": pytest.approx(0.1)}
+    for png in ("loss_curves.png", "loss_vs_r.png", "delta_vs_dense.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert not list(out.glob(".*.tmp"))
 
     # Any subset of the cells: the dense run alone has no depth sweep, and no stale loss-vs-R plot is kept.
     write_report(find_runs([tmp_path / "runs/b"]), out, "test")
-    assert not (out / "loss_vs_r.png").exists()
+    assert not (out / "loss_vs_r.png").exists() and not (out / "delta_vs_dense.png").exists()
     assert "| dense |" in (out / "report.md").read_text()
 
 
