@@ -6,7 +6,8 @@ RUN_DIRS are run directories (`run_info.json` + `metrics.jsonl`) or folders sear
 grouped into cells by `experiment.name` and `experiment.budget` (else by run name or model shape); a cell's
 seeds give the mean ± sample standard deviation. Any subset of a grid works. The output folder gets
 `report.md`, `summary.json`, `loss_curves.png`, `delta_vs_dense.png` and `loss_vs_r.png`; each file is
-written whole or not at all.
+written whole or not at all. Non-dense cells are paired seed by seed with dense, and recurrent ones also with
+the GRT cell of their comparison (ablations).
 """
 
 from __future__ import annotations
@@ -203,24 +204,37 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
             "runs": [str(r.path) for r in group],
         })
     _paired_with_dense(rows, cells)
+    _paired_with_grt(rows, cells)
     rows.sort(key=lambda row: (row["budget"], row["best_valid_mean"]))
     return rows
 
 
 def _paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
-    """Best validation loss minus the dense cell's (same scale and budget), seed by seed. A seed fixes the
-    data order and the validation windows, which move the loss of every model alike; the paired difference
-    leaves them out, so it is the number to compare models by when seeds are few."""
-    dense = {(g[0].scale, budget): {r.seed: r.best_valid for r in g}
-             for (cell, budget), g in cells.items() if g[0].variant == "dense"}
+    """Best validation loss minus the dense cell's (same scale and budget), seed by seed: the seed fixes the
+    data order (and, where `data.valid_seed` is unset, the validation windows) for both runs."""
+    _paired(rows, cells, "delta_vs_dense", lambda run: run.variant == "dense", lambda run: (run.scale,))
+
+
+def _paired_with_grt(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
+    """Best validation loss minus the GRT cell's of the same scale, budget and comparison, seed by seed, for
+    every other recurrent cell (ablations, baselines). Each piece of the model is initialised from a stream
+    keyed by the seed and the piece's name (`model/init.py`), so an ablation starts from the GRT's weights
+    wherever it has the same pieces and sees the same batches: the paired runs differ by the switch and what
+    it changes downstream, while dense, whose pieces all differ, shares only the batches."""
+    _paired(rows, cells, "delta_vs_grt", lambda run: run.variant == "grt",
+            lambda run: (run.scale, run.comparison), skip=lambda run: run.variant in ("dense", "grt"))
+
+
+def _paired(rows, cells, name: str, is_reference, key, skip=lambda run: False) -> None:
+    references = {(*key(g[0]), budget): {r.seed: r.best_valid for r in g}
+                  for (cell, budget), g in cells.items() if is_reference(g[0])}
     for row in rows:
         group = cells[(row["cell"], row["budget"])]
-        reference = dense.get((group[0].scale, row["budget"]))
+        reference = None if skip(group[0]) else references.get((*key(group[0]), row["budget"]))
         diffs = {r.seed: r.best_valid - reference[r.seed] for r in group if reference and r.seed in reference}
-        row["delta_vs_dense_mean"], row["delta_vs_dense_std"] = (_mean_std(list(diffs.values())) if diffs
-                                                                 else (None, None))
-        row["delta_vs_dense_seeds"] = len(diffs)
-        row["delta_vs_dense_by_seed"] = diffs
+        row[f"{name}_mean"], row[f"{name}_std"] = _mean_std(list(diffs.values())) if diffs else (None, None)
+        row[f"{name}_seeds"] = len(diffs)
+        row[f"{name}_by_seed"] = diffs
 
 
 def _fmt_std(mean: float, std: float) -> str:
@@ -310,6 +324,21 @@ def markdown(rows: list[dict], command: str) -> str:
                       if f"active_fraction_r{k}" in r["diagnostics"] else "" for k in range(1, depth + 1)]
             lines.append(f"| {r['cell']} | {_fmt_std(r['best_valid_mean'], r['best_valid_std'])} | "
                          + " | ".join(others + active) + " |")
+    vs_grt = [r for r in rows if r["delta_vs_grt_seeds"]]
+    if vs_grt:
+        lines += ["", "## Ablations and baselines vs the GRT", "",
+                  "Best validation loss minus the GRT cell's of the same scale, budget and comparison, seed by "
+                  "seed. A model piece is initialised from a stream keyed by the seed and the piece's name, so "
+                  "same-seed runs of one family start from the same weights wherever they share pieces and see "
+                  "the same batches: the two runs differ by the switch and what it changes downstream. (Dense "
+                  "shares no piece with a recurrent model, so pairing with it shares only the batches.)", "",
+                  "| cell | shape | Δ vs GRT | per seed |", "|---|---|---:|---|"]
+        for r in vs_grt:
+            budget = "" if r["budget"] == 1.0 else f" ({r['budget']:g}×)"
+            mean, std = r["delta_vs_grt_mean"], r["delta_vs_grt_std"]
+            seeds = ", ".join(f"{seed}: {d:+.4f}" for seed, d in sorted(r["delta_vs_grt_by_seed"].items()))
+            lines.append(f"| {r['cell']}{budget} | {r['shape']} | "
+                         f"{f'{mean:+.4f}' if math.isnan(std) else f'{mean:+.4f} ± {std:.4f}'} | {seeds} |")
     lines += ["", "![validation loss curves](loss_curves.png)", ""]
     if any(r["variant"] != "dense" and r["delta_vs_dense_seeds"] for r in rows):
         lines += ["![difference to dense, seed by seed](delta_vs_dense.png)", ""]
@@ -390,7 +419,16 @@ def plot_loss_vs_r(rows: list[dict], path: Path) -> bool:
                     color=line.get_color())
     ax.set_xlabel("recurrences at inference (★ trained R)")
     ax.set_ylabel("validation loss")
-    ax.set_title("under- and over-recurrence")
+    # One badly under-recurred cell (a plain shared layer at R = 1 is ~1.4 nats worse) would flatten every
+    # other curve to a line: cut the axis a little above the worst loss at a trained R.
+    values = [v for r in swept for v in r["depth_sweep"].values()]
+    at_trained = [r["depth_sweep"][r["recurrences"]] for r in swept if r["recurrences"] in r["depth_sweep"]]
+    top = max(at_trained, default=max(values)) + 0.2
+    if max(values) > top:
+        ax.set_ylim(min(values) - 0.02, top)
+        ax.set_title(f"under- and over-recurrence (axis cut at {top:.2f}; all values in report.md)", fontsize=10)
+    else:
+        ax.set_title("under- and over-recurrence")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     _save_figure(fig, path)
@@ -414,7 +452,7 @@ def plot_delta_vs_dense(rows: list[dict], path: Path) -> bool:
                                        for r in paired], fontsize=8)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.invert_yaxis()
-    ax.set_xlabel("best validation loss − dense's, same seed (nats/token; dots: seeds, bar: mean)")
+    ax.set_xlabel("best validation loss − dense's, same seed\n(nats/token; dots: seeds, bar: their mean)")
     ax.set_title("Δ vs dense (left of 0: better than dense)")
     ax.grid(alpha=0.3, axis="x")
     _save_figure(fig, path)

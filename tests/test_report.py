@@ -39,6 +39,8 @@ def test_report_table_and_plots(tmp_path):
              model=dict(prelude_layers=0, core_layers=5, coda_layers=0, recurrences=1, gate="none", injection="none"))
     fake_run(tmp_path / "runs/b/s2", "dense", 2, [5.1, 4.4, 3.9], comparison="both",
              model=dict(prelude_layers=0, core_layers=5, coda_layers=0, recurrences=1, gate="none", injection="none"))
+    fake_run(tmp_path / "runs/c/s1", "no_noise", 1, [5.0, 4.05, 4.1])
+    fake_run(tmp_path / "runs/c/s2", "no_noise", 2, [5.0, 4.3, 4.02])
     out = tmp_path / "report"
     result = subprocess.run([sys.executable, "-m", "grt_megatron.report", str(tmp_path / "runs"), "--output",
                              str(out)], capture_output=True, text=True)
@@ -63,6 +65,11 @@ def test_report_table_and_plots(tmp_path):
     assert report.index("| grt |") < report.index("| dense |")  # ordered by best validation loss
     assert "| grt | 0.915 / 0.500 |" in report  # the last evaluation's gate, mean over the two seeds
     assert rows["grt"]["delta_vs_dense_by_seed"] == {"1": pytest.approx(-0.3), "2": pytest.approx(0.1)}
+    # Ablations are also paired with the GRT of their comparison: 4.05 - 4.0 and 4.02 - 4.0.
+    assert rows["no_noise"]["delta_vs_grt_by_seed"] == {"1": pytest.approx(0.05), "2": pytest.approx(0.02)}
+    assert rows["no_noise"]["delta_vs_grt_mean"] == pytest.approx(0.035)
+    assert rows["grt"]["delta_vs_grt_seeds"] == 0 and rows["dense"]["delta_vs_grt_seeds"] == 0
+    assert "| no_noise | 1+1x3+1 | +0.0350 ± 0.0212 | 1: +0.0500, 2: +0.0200 |" in report
     for png in ("loss_curves.png", "loss_vs_r.png", "delta_vs_dense.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
