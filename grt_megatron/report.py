@@ -212,7 +212,8 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 def _paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
     """Best validation loss minus the dense cell's (same scale and budget), seed by seed: the seed fixes the
     data order (and, where `data.valid_seed` is unset, the validation windows) for both runs."""
-    _paired(rows, cells, "delta_vs_dense", lambda run: run.variant == "dense", lambda run: (run.scale,))
+    _paired(rows, cells, "delta_vs_dense", lambda run: run.variant == "dense", lambda run: (run.scale,),
+            pair_reference=True)
 
 
 def _paired_with_grt(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
@@ -221,16 +222,19 @@ def _paired_with_grt(rows: list[dict], cells: dict[tuple[str, float], list[Run]]
     keyed by the seed and the piece's name (`model/init.py`), so an ablation starts from the GRT's weights
     wherever it has the same pieces and sees the same batches: the paired runs differ by the switch and what
     it changes downstream, while dense, whose pieces all differ, shares only the batches."""
-    _paired(rows, cells, "delta_vs_grt", lambda run: run.variant == "grt",
-            lambda run: (run.scale, run.comparison), skip=lambda run: run.variant in ("dense", "grt"))
+    _paired(rows, cells, "delta_vs_grt", lambda run: run.variant == "grt", lambda run: (run.scale, run.comparison),
+            pair_reference=False)
 
 
-def _paired(rows, cells, name: str, is_reference, key, skip=lambda run: False) -> None:
+def _paired(rows, cells, name: str, is_reference, key, pair_reference: bool) -> None:
+    """`{name}_mean/_std/_seeds/_by_seed` on every row whose reference cell (`is_reference`, same `key` and
+    budget) has runs of the same seeds. `pair_reference`: give the reference its own zero differences too."""
     references = {(*key(g[0]), budget): {r.seed: r.best_valid for r in g}
                   for (cell, budget), g in cells.items() if is_reference(g[0])}
     for row in rows:
         group = cells[(row["cell"], row["budget"])]
-        reference = None if skip(group[0]) else references.get((*key(group[0]), row["budget"]))
+        skip = is_reference(group[0]) and not pair_reference
+        reference = None if skip else references.get((*key(group[0]), row["budget"]))
         diffs = {r.seed: r.best_valid - reference[r.seed] for r in group if reference and r.seed in reference}
         row[f"{name}_mean"], row[f"{name}_std"] = _mean_std(list(diffs.values())) if diffs else (None, None)
         row[f"{name}_seeds"] = len(diffs)
@@ -245,11 +249,16 @@ def _fmt_unfinished(row: dict) -> str:
     return f" ({row['unfinished']} unfinished)" if row["unfinished"] else ""
 
 
-def _fmt_delta(row: dict) -> str:
-    if row["delta_vs_dense_mean"] is None or row["variant"] == "dense":
+def _fmt_delta(row: dict, name: str = "delta_vs_dense") -> str:
+    if row[f"{name}_mean"] is None or row["variant"] == "dense":
         return ""
-    mean, std = row["delta_vs_dense_mean"], row["delta_vs_dense_std"]
+    mean, std = row[f"{name}_mean"], row[f"{name}_std"]
     return f"{mean:+.4f}" if math.isnan(std) else f"{mean:+.4f} ± {std:.4f}"
+
+
+def _label(row: dict) -> str:
+    """The cell's name, with its budget where it is not the 1× one."""
+    return row["cell"] + ("" if row["budget"] == 1.0 else f" ({row['budget']:g}×)")
 
 
 def _si(value: float) -> str:
@@ -270,9 +279,8 @@ def markdown(rows: list[dict], command: str) -> str:
              "| best val loss | final val loss | Δ vs dense |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        budget = "" if r["budget"] == 1.0 else f" ({r['budget']:g}×)"
         lines.append(
-            f"| {r['cell']}{budget} | {r['comparison']} | {r['shape']} | {_si(r['parameters'])} | "
+            f"| {_label(r)} | {r['comparison']} | {r['shape']} | {_si(r['parameters'])} | "
             f"{_si(r['flops_per_token_nominal'])} | {_si(r['flops_per_token_executed'])} | {_si(r['tokens'])} | "
             f"{len(r['seeds'])}{_fmt_unfinished(r)} | "
             f"{_fmt_std(r['best_valid_mean'], r['best_valid_std'])} | "
@@ -334,11 +342,8 @@ def markdown(rows: list[dict], command: str) -> str:
                   "shares no piece with a recurrent model, so pairing with it shares only the batches.)", "",
                   "| cell | shape | Δ vs GRT | per seed |", "|---|---|---:|---|"]
         for r in vs_grt:
-            budget = "" if r["budget"] == 1.0 else f" ({r['budget']:g}×)"
-            mean, std = r["delta_vs_grt_mean"], r["delta_vs_grt_std"]
             seeds = ", ".join(f"{seed}: {d:+.4f}" for seed, d in sorted(r["delta_vs_grt_by_seed"].items()))
-            lines.append(f"| {r['cell']}{budget} | {r['shape']} | "
-                         f"{f'{mean:+.4f}' if math.isnan(std) else f'{mean:+.4f} ± {std:.4f}'} | {seeds} |")
+            lines.append(f"| {_label(r)} | {r['shape']} | {_fmt_delta(r, 'delta_vs_grt')} | {seeds} |")
     lines += ["", "![validation loss curves](loss_curves.png)", ""]
     if any(r["variant"] != "dense" and r["delta_vs_dense_seeds"] for r in rows):
         lines += ["![difference to dense, seed by seed](delta_vs_dense.png)", ""]
@@ -388,8 +393,7 @@ def plot_loss_curves(runs: list[Run], rows: list[dict], path: Path) -> None:
             n = min(len(r.valid) for r in group)
             xs = [group[0].valid[i][0] for i in range(n)]
             ys = [statistics.fmean(r.valid[i][1] for r in group) for i in range(n)]
-            label = row["cell"] + ("" if row["budget"] == 1.0 else f" ({row['budget']:g}×)")
-            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+            ax.plot(xs, ys, marker="o", markersize=3, label=_label(row))
             if len(group) > 1:
                 lo = [min(r.valid[i][1] for r in group) for i in range(n)]
                 hi = [max(r.valid[i][1] for r in group) for i in range(n)]
@@ -448,8 +452,7 @@ def plot_delta_vs_dense(rows: list[dict], path: Path) -> bool:
                 alpha=0.4)
         seeds = r["delta_vs_dense_by_seed"]
         ax.plot(list(seeds.values()), [y] * len(seeds), "o", color="black", markersize=3)
-    ax.set_yticks(range(len(paired)), [r["cell"] + ("" if r["budget"] == 1.0 else f" ({r['budget']:g}×)")
-                                       for r in paired], fontsize=8)
+    ax.set_yticks(range(len(paired)), [_label(r) for r in paired], fontsize=8)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("best validation loss − dense's, same seed\n(nats/token; dots: seeds, bar: their mean)")
