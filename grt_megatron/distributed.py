@@ -6,6 +6,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from grt_megatron.cpu_shims import apply_cpu_shims
+from grt_megatron.device import configure_cuda, process_group_backend, run_device
 from grt_megatron.model.config import ConfigError
 
 
@@ -74,23 +76,26 @@ def export_launcher_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0) -> DistributedInfo:
-    """Start the process group (gloo on CPU, nccl on GPU) and megatron's parallel state; seed all RNGs."""
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_minutes: int = 30) -> DistributedInfo:
+    """Start the process group (gloo on CPU; NCCL plus gloo for host tensors on GPU) and megatron's
+    parallel state; seed all RNGs. `timeout_minutes` bounds every collective, also the waits of the
+    ranks while rank 0 alone prepares a corpus or verifies a checkpoint (NCCL's default is 10 min)."""
     apply_cpu_shims()
     export_launcher_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by parallel.tp × parallel.pp = {tp * pp}")
+    configure_cuda(tp)
+    device = run_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=process_group_backend(), rank=rank, world_size=world,
+                                timeout=timedelta(minutes=timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 distributed_timeout_minutes=timeout_minutes)
     seed_everything(seed)
     return DistributedInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 

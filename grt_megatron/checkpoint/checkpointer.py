@@ -32,6 +32,7 @@ from grt_megatron.checkpoint.state import (
     split_tp,
 )
 from grt_megatron.checkpoint.store import TRAINER_STATE, PendingSave, prune, write_file
+from grt_megatron.device import device_tensor
 
 
 def shard_name(tp_rank: int, pp_rank: int) -> str:
@@ -133,7 +134,9 @@ def load_checkpoint(path: Path, engine, pipelined: bool, padded_vocab_size: int,
             if full is None:
                 if key is None:
                     raise CheckpointError(f"{path}: holds no weights for parameter {name} of this model")
-                full = torch.zeros(())  # a moment never created: the parameter never had a gradient
+                # A moment never created (the parameter never had a gradient); a host tensor like the
+                # ones read from the file, moved to the parameter's device below.
+                full = torch.zeros((), device="cpu")
             if full.ndim and name in VOCAB_TENSORS:
                 full = fit_vocab_rows(full, padded_vocab_size)
             local = split_tp(full, dim, tp_rank, tp_size) if full.ndim else full.expand(full_shape(p))
@@ -144,7 +147,7 @@ def load_checkpoint(path: Path, engine, pipelined: bool, padded_vocab_size: int,
     optimizer.set_step_count(int(state["optimizer_steps"]))
     _restore_schedule(engine, state)
     # An imported checkpoint has no RNG states; every rank must agree on whether they are restored.
-    restored = torch.tensor([int(restore_rngs and (path / rng_name(dist.get_rank())).is_file())])
+    restored = device_tensor([int(restore_rngs and (path / rng_name(dist.get_rank())).is_file())])
     dist.all_reduce(restored, op=dist.ReduceOp.MIN)
     if restored.item():
         restore_rng(path / rng_name(dist.get_rank()))

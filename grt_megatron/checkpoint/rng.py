@@ -21,7 +21,7 @@ def capture_rng() -> bytes:
     version, py_state, gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     tensors = {
-        "python": torch.tensor(py_state, dtype=torch.int64),
+        "python": torch.tensor(py_state, dtype=torch.int64, device="cpu"),  # host: written to a file
         "numpy": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
         "torch_cpu": torch.get_rng_state(),
     }

@@ -97,7 +97,8 @@ class OptimizerState:
         would, so that a checkpoint's moments can be written into it before any step has run."""
         for flat in self.flats:
             state = self.base.state[flat]
-            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+            # On the host, where torch's AdamW keeps its step count (unless fused or capturable).
+            state.setdefault("step", torch.zeros((), dtype=torch.float32, device="cpu"))
             for key in MOMENTS:
                 state.setdefault(key, torch.zeros_like(flat))
 

@@ -33,7 +33,10 @@ if not OmegaConf.has_resolver("budget_iters"):
 @dataclass
 class TrainConfig:
     iters: int = 20_000
-    micro_batch_size: int = 8
+    micro_batch_size: Optional[int] = 8
+    """Samples per forward on one data-parallel rank; gradient accumulation makes up the global batch.
+    None: the rank's whole share of the global batch in one micro-batch (no accumulation), whatever the
+    number of processes."""
     global_batch_size: int = 480
     seq_length: Optional[int] = None
     """Tokens per sample; defaults to model.max_sequence_length."""
@@ -48,6 +51,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     precision: str = "bf16"
+    tf32: bool = True
+    """On Ampere and later GPUs, fp32 matmuls use TF32 tensor cores (10-bit mantissa products, fp32
+    accumulation; PyTorch's default is off). false: full fp32 (MFU is then against the fp32 peak)."""
     optimizer: str = "torch"
     """`torch`: torch.optim.AdamW built by us; `deepspeed`: the AdamW of DeepSpeed's config."""
     torch_adam: bool = False
@@ -100,11 +106,20 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     sp: bool = False
+    timeout_minutes: int = 30
+    """How long a collective may wait (NCCL's own default is 10 min): the other ranks wait in one while
+    rank 0 alone prepares a corpus (`data.source`) or verifies a checkpoint's hashes on resume."""
 
 
 @dataclass
 class DeepSpeedConfig:
     zero_stage: int = 0
+    grad_accum_dtype: str = "fp32"
+    """With bf16: the dtype gradients are accumulated in over micro-batches (and, for ZeRO 1, reduced
+    from). fp32, as Megatron-LM's `--accumulate-allreduce-grads-in-fp32`; bf16 rounds every addition."""
+    communication_data_type: str = "fp32"
+    """With bf16: the dtype of the data-parallel gradient reduction. bf16 halves its bytes at the cost of
+    rounding the sum."""
 
 
 @dataclass
@@ -198,14 +213,17 @@ class RunConfig:
 _CHOICES = {
     "train.precision": ("fp32", "bf16"),
     "train.optimizer": ("torch", "deepspeed"),
+    "deepspeed.grad_accum_dtype": ("fp32", "bf16"),
+    "deepspeed.communication_data_type": ("fp32", "bf16"),
     "logging.wandb": ("auto", "online", "offline", "disabled"),
     "data.on_bad_record": ("fail", "skip"),
     "data.on_decode_error": ("fail", "replace"),
 }
 
 
-def build_run_config(cfg: DictConfig | dict) -> RunConfig:
-    """Validate a composed hydra config against the schema; errors name the offending key."""
+def build_run_config(cfg: DictConfig | dict, world_size: Optional[int] = None) -> RunConfig:
+    """Validate a composed hydra config against the schema and its layout at `world_size` processes (by
+    default the launcher's); errors name the offending key. grt-submit calls this at a job's size."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(cfg)
     cfg = cfg.copy()
@@ -225,7 +243,7 @@ def build_run_config(cfg: DictConfig | dict) -> RunConfig:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     t = run.train
     for key in ("iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_interval", "eval_iters"):
-        if getattr(t, key) < 1:
+        if getattr(t, key) is not None and getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
     if t.depth_sweep is not None and t.depth_sweep < 0:
         raise ConfigError(f"train.depth_sweep must be >= 0, got {t.depth_sweep}")
@@ -237,10 +255,12 @@ def build_run_config(cfg: DictConfig | dict) -> RunConfig:
                           f"interval={c.interval}, keep_last={c.keep_last}, keep_every={c.keep_every}")
     if run.deepspeed.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"deepspeed.zero_stage={run.deepspeed.zero_stage} is not one of 0, 1, 2, 3")
+    if run.parallel.timeout_minutes < 1:
+        raise ConfigError(f"parallel.timeout_minutes must be >= 1, got {run.parallel.timeout_minutes}")
     # The layout and the model recipe are checked now: before any process group starts (a wrong layout
     # would hang it) and before any data is prepared (the vocabulary is known only later).
     validate_layout(
-        world_size=world_size_from_env(), tp=run.parallel.tp, pp=run.parallel.pp,
+        world_size=world_size_from_env() if world_size is None else world_size, tp=run.parallel.tp, pp=run.parallel.pp,
         sp=run.parallel.sp, zero_stage=run.deepspeed.zero_stage, model=run.model, seq_length=run.seq_length,
         micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
     )

@@ -8,13 +8,16 @@ import secrets
 from pathlib import Path
 from typing import Any, Optional
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name substring; fp32 runs use TF32's.
+# Dense peaks (TFLOP/s, no sparsity) by device-name substring (SXM parts): bf16 and TF32 tensor cores, and
+# plain fp32 (CUDA cores) for fp32 runs with `train.tf32=false`.
 PEAK_TFLOPS = {"bf16": {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0},
-               "fp32": {"H200": 494.0, "H100": 494.0, "A100": 156.0, "L40S": 181.0, "A10G": 35.0}}
+               "tf32": {"H200": 494.0, "H100": 494.0, "A100": 156.0, "L40S": 181.0, "A10G": 35.0},
+               "fp32": {"H200": 67.0, "H100": 67.0, "A100": 19.5, "L40S": 91.6, "A10G": 31.2}}
 
 
-def peak_flops_per_device(precision: str, configured_tflops: Optional[float]) -> Optional[float]:
-    """Peak FLOP/s of this process's device, for MFU: the configured value, else a known GPU's, else None."""
+def peak_flops_per_device(precision: str, configured_tflops: Optional[float], tf32: bool = True) -> Optional[float]:
+    """Peak FLOP/s of this process's device, for MFU: the configured value, else a known GPU's, else None.
+    An fp32 run is measured against the TF32 peak when TF32 is on, else against plain fp32's."""
     if configured_tflops:
         return configured_tflops * 1e12
     import torch
@@ -22,7 +25,8 @@ def peak_flops_per_device(precision: str, configured_tflops: Optional[float]) ->
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
-    for key, tflops in PEAK_TFLOPS[precision].items():
+    table = PEAK_TFLOPS["tf32" if precision == "fp32" and tf32 else precision]
+    for key, tflops in table.items():
         if key in name:
             return tflops * 1e12
     return None

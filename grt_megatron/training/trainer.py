@@ -30,6 +30,7 @@ from grt_megatron.checkpoint import (
 )
 from grt_megatron.checkpoint.state import OptimizerState
 from grt_megatron.data import DataError
+from grt_megatron.device import device_tensor, device_zeros, set_tf32
 from grt_megatron.distributed import (
     destroy_distributed,
     init_distributed,
@@ -116,7 +117,8 @@ class Trainer:
             raise ConfigError(f"run.dir={str(self.run_dir)!r} already holds a run (metrics.jsonl): pass "
                               "resume=auto to continue it, or choose a new run.dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
+        self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_minutes)
+        self.tf32 = set_tf32(cfg.train.tf32)
         self.seq_length = cfg.seq_length
         self.resume_path, self.saved = self._select_checkpoint()
         if cfg.resume and self.saved is None and self.info.is_main:
@@ -177,7 +179,7 @@ class Trainer:
             self._write_run_info()
             self.tokenizer.save(self.run_dir / self.tokenizer.file_name)
         self._stop_signal: Optional[int] = None
-        self.peak_flops = peak_flops_per_device(cfg.train.precision, cfg.logging.peak_tflops)
+        self.peak_flops = peak_flops_per_device(cfg.train.precision, cfg.logging.peak_tflops, tf32=self.tf32)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _select_checkpoint(self) -> tuple[Optional[Path], Optional[dict]]:
@@ -273,7 +275,7 @@ class Trainer:
 
     def _stop_requested(self) -> Optional[str]:
         """The signal any rank received (all ranks agree, so they stop at the same step)."""
-        flag = torch.tensor([self._stop_signal or 0], dtype=torch.int64)
+        flag = device_tensor([self._stop_signal or 0], dtype=torch.int64)
         if self.info.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return signal.Signals(int(flag.item())).name if flag.item() else None
@@ -317,8 +319,9 @@ class Trainer:
         out = []
         for start in range(0, len(rows), self.micro_batch):
             tokens, labels = self._to_device(rows[start : start + self.micro_batch])
-            extras = (torch.tensor(seeds[start : start + self.micro_batch], dtype=torch.int64),
-                      torch.tensor(depth, dtype=torch.int64))
+            # They travel between stages with the activations: on the device (NCCL's send/recv).
+            extras = (device_tensor(seeds[start : start + self.micro_batch], dtype=torch.int64),
+                      device_tensor(depth, dtype=torch.int64))
             out.append(((tokens, *extras), labels))
         return out
 
@@ -337,7 +340,7 @@ class Trainer:
             loss = self.engine.train_batch(data_iter=iter(batches))  # mean over micro-batches and DP
             grad_norm = self.engine.get_global_grad_norm()
             return {**stats, "loss": float(loss), "grad_norm": None if grad_norm is None else float(grad_norm)}
-        total = torch.zeros((), dtype=torch.float32, device=self.info.device)
+        total = device_zeros(dtype=torch.float32)
         grad_norm = None
         for start in range(0, per_rank, self.micro_batch):
             tokens, labels = self._to_device(rows[start : start + self.micro_batch])
@@ -377,7 +380,7 @@ class Trainer:
             return self._evaluate_pipelined(recurrences)
         self.engine.eval()
         mine = self.data.valid_rows[self.info.dp_rank :: self.info.dp_size]
-        sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)  # loss sum, token count
+        loss_sum, counted = device_zeros(dtype=torch.float64), 0  # loss summed over tokens, tokens
         block = self.engine.module.block
         for start in range(0, len(mine), self.micro_batch):
             tokens, labels = self._to_device(mine[start : start + self.micro_batch])
@@ -386,9 +389,11 @@ class Trainer:
             loss = self.engine(tokens, labels, recurrences)
             if first:
                 self.eval_step_stats = block.step_stats
-            sums += torch.stack([loss.double().sum(), torch.tensor(loss.numel(), dtype=torch.float64)])
+            loss_sum += loss.double().sum()
+            counted += loss.numel()
         block.step_stats = None
         self.engine.train()
+        sums = torch.stack([loss_sum, device_tensor(float(counted), dtype=torch.float64)])
         if self.info.dp_size > 1:
             dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         return float(sums[0] / sums[1])

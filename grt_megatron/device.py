@@ -1,0 +1,59 @@
+"""The run's device, and the one way the project makes tensors on it.
+
+A GPU run fails where a tensor meets a collective or an op on the wrong device: NCCL refuses CPU tensors
+("No backend type associated with device type cpu"), and `torch.stack` refuses a CUDA and a CPU tensor
+together. On CPU both mistakes pass unnoticed, so every tensor that the training, checkpoint and parallel
+code makes for a collective or for the model comes from `device_tensor` / `device_zeros` here
+(tests/test_device.py refuses a bare `torch.tensor(...)` in those modules). Tensors deliberately kept on
+the host (checkpoint files, RNG states) say so with a `device="cpu"` of their own.
+
+CUDA settings that must be made before the CUDA context exists, or once per process (TF32), are here too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+def run_device() -> torch.device:
+    """This process's device: `cuda:LOCAL_RANK` when CUDA is available (the launcher's LOCAL_RANK, set
+    before the process group starts), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def device_tensor(data: Any, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`torch.tensor(data)` on the run's device (flags, counters and seeds that travel in collectives)."""
+    return torch.tensor(data, dtype=dtype, device=run_device())
+
+
+def device_zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=run_device())
+
+
+def process_group_backend() -> str:
+    """gloo on CPU. On GPU NCCL for CUDA tensors plus gloo for CPU tensors in the same group, so that a
+    small host-side flag (or an object collective, which torch then runs on the CPU) cannot crash a job;
+    the project's own tensors still go to NCCL on the GPU through `device_tensor`."""
+    return "cpu:gloo,cuda:nccl" if run_device().type == "cuda" else "gloo"
+
+
+def configure_cuda(tp: int) -> None:
+    """Before the CUDA context is created: one hardware queue when tensor parallelism is on, so that a
+    TP all-reduce issued before a GEMM runs before it (megatron-core's sequence-parallel overlap relies on
+    this ordering; Megatron-LM's launch scripts set the same variable). A user's own value wins."""
+    if tp > 1:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def set_tf32(enabled: bool) -> bool:
+    """TF32 tensor cores for fp32 matmuls and convolutions on Ampere and later (PyTorch's default is off,
+    i.e. full fp32 at a fraction of the speed). Returns whether TF32 is in effect on this device."""
+    if not torch.cuda.is_available():
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
