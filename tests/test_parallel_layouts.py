@@ -44,6 +44,10 @@ LAYOUTS = [
     ("tiny", 4, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
     ("tiny", 4, ["parallel.pp=2", "parallel.tp=2", "deepspeed.zero_stage=1"]),
     ("tiny_dense", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
+    # Recurrence checkpointing (recompute in backward) changes no number, under every ZeRO stage.
+    ("tiny", 2, ["deepspeed.zero_stage=1", "model.checkpoint_recurrence=true"]),
+    ("tiny", 2, ["deepspeed.zero_stage=2", "model.checkpoint_recurrence=true"]),
+    ("tiny", 2, ["deepspeed.zero_stage=3", "model.checkpoint_recurrence=true"]),
 ]
 
 

@@ -208,25 +208,28 @@ class GRTModel(GRTPreTrainedModel):
         p, k = cfg.prelude_layers, cfg.core_layers
         for i in range(p):
             h = self.layers[i](h, mask, rope, cache, self.slot("prelude", i, 0, recurrences, average), "write")
-        h_pre = state = h
+        # The state is carried in fp32 and blended as h + sigmoid(−a)·(o − h), as in training
+        # (grt_megatron/model/recurrent_block.py): in bf16 the gate's small update would round away.
+        h_pre, state = h, h.float()
         ran = torch.zeros(b, s, dtype=torch.long, device=h.device)
         active = torch.ones(b, s, dtype=torch.bool, device=h.device)
         for r in range(recurrences):
+            layer_in = state.to(h_pre.dtype)
             if self.injection is not None:
-                x = self.injection(torch.cat([state, h_pre], dim=-1))
+                x = self.injection(torch.cat([layer_in, h_pre], dim=-1))
             elif cfg.injection == "add" and r > 0:
-                x = state + h_pre
+                x = layer_in + h_pre
             else:
-                x = state
+                x = layer_in
             for j in range(k):
                 x = self.layers[p + j](x, mask, rope, cache, self.slot("core", j, r, recurrences, average),
                                        core_mode)
             if self.gate_fc1 is None:
-                new = x
+                new = x.float()
             else:
-                a = self.gate_fc1(torch.cat([self.gate_norm_state(state), self.gate_norm_prelude(h_pre)], -1))
-                g = torch.sigmoid(self.gate_fc2(F.silu(a)) / cfg.gate_temperature)
-                new = g * state + (1 - g) * x
+                a = self.gate_fc1(torch.cat([self.gate_norm_state(layer_in), self.gate_norm_prelude(h_pre)], -1))
+                rate = torch.sigmoid(-(self.gate_fc2(F.silu(a)).float() / cfg.gate_temperature))  # 1 − g
+                new = state + rate * (x.float() - state)
             ran += active.long()
             if threshold is not None:
                 change = (new - state).float().norm(dim=-1) / state.float().norm(dim=-1).clamp_min(1e-12)
@@ -244,6 +247,7 @@ class GRTModel(GRTPreTrainedModel):
                 break
         if cache is not None and average:
             cache.commit()
+        state = state.to(h_pre.dtype)
         for c in range(cfg.coda_layers):
             state = self.layers[p + k + c](state, mask, rope, cache,
                                            self.slot("coda", c, 0, recurrences, average), "write")

@@ -10,6 +10,7 @@ This file is the GRT math. Everything else (embeddings, loss, parallelism, train
         g_r = sigmoid(a_r / tau + eps_g)                            gate: mlp
         h_r = g_r * h_{r-1} + (1 - g_r) * o_r                       (none: o_r; residual: h_{r-1} + o_r;
                                                                      fixed: g = sigmoid(b_2 / tau), not learned)
+                                                                    computed as h + sigmoid(-a)·(o − h), h in fp32
     out = Coda(h_R)
 
 Mixture-of-Recursions (`routing="expert_choice"`) replaces the gate with one router per recursion:
@@ -32,12 +33,14 @@ same parameter names and a checkpoint moves between the two unchanged.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -192,35 +195,41 @@ class GatedRecurrentBlock(MegatronModule):
         return full[s * shard[1] : s * (shard[1] + 1)].to(h_pre.dtype) * std
 
     def recurrence_step(self, h, h_pre, inputs: "StepInputs", step: int):
-        """Step `step` (0-based): h_{r-1} -> h_r.
+        """Step `step` (0-based): h_{r-1} -> h_r. `h` is the fp32 state (see `run_core`); the injection,
+        the core and the gate MLP run in the model's dtype (that of `h_pre`), the blend in fp32.
 
         Additive injection skips step 0 when the state starts as h_pre (it already *is* the prelude
         output; adding it again would double it), so `injection="add"` at R = 1 is exactly dense.
         """
         cfg = self.config
+        dtype = h_pre.dtype
         eps_x = self._noise(h, inputs, step, NOISE_STATE)
-        h_in = h if eps_x is None else h + eps_x
+        h_in = (h if eps_x is None else h + eps_x).to(dtype)
         if cfg.injection == "concat_project":
             x = self._inject(h_in, h_pre)
         elif cfg.injection == "add" and not (step == 0 and cfg.initial_state == "prelude"):
             x = h_in + h_pre
         else:
             x = h_in
-        o = self._run(self.core, x, inputs)
+        o = self._run(self.core, x, inputs).float()
+        # The gated blend g·h + (1−g)·o is written h + (1−g)·(o − h) with 1 − g = sigmoid(−a): near g = 1
+        # the update (1−g)·(o − h) is small next to h, and bf16 (steps of 2^-8 near 1) rounds most of it
+        # away, in g and in the sum; in fp32 it survives (tests/test_numerics.py).
         if cfg.gate == "none":
             g, h_new = None, o
         elif cfg.gate == "residual":
             g, h_new = None, h + o
         elif cfg.gate == "fixed":
-            g = torch.sigmoid(torch.tensor(cfg.gate_bias_init / cfg.gate_temperature, dtype=h.dtype, device=h.device))
-            h_new = g * h + (1 - g) * o
+            rate = torch.sigmoid(torch.tensor(-cfg.gate_bias_init / cfg.gate_temperature, device=h.device))
+            g, h_new = 1 - rate, h + rate * (o - h)
         else:
-            a, _ = self.gate_fc1(torch.cat([self.gate_norm_state(h), self.gate_norm_prelude(h_pre)], dim=-1))
+            a, _ = self.gate_fc1(torch.cat([self.gate_norm_state(h.to(dtype)), self.gate_norm_prelude(h_pre)],
+                                           dim=-1))
             a, _ = self.gate_fc2(F.silu(a))
-            a = a / cfg.gate_temperature
+            a = a.float() / cfg.gate_temperature
             eps_g = self._noise(a, inputs, step, NOISE_GATE)
-            g = torch.sigmoid(a if eps_g is None else a + eps_g)
-            h_new = g * h + (1 - g) * o
+            rate = torch.sigmoid(-(a if eps_g is None else a + eps_g))
+            g, h_new = 1 - rate, h + rate * (o - h)
         if self.step_stats is not None:
             self._record_stats(h, h_new, g)
         return h_new
@@ -233,8 +242,11 @@ class GatedRecurrentBlock(MegatronModule):
 
     mor_capacity = staticmethod(mor_capacity)
 
-    def run_mor(self, h: torch.Tensor, inputs: "StepInputs", recurrences: int) -> torch.Tensor:
-        """Mixture-of-Recursions with expert-choice routing (see the module docstring). h: [s, b, d]."""
+    def run_mor(self, h_pre: torch.Tensor, inputs: "StepInputs", recurrences: int) -> torch.Tensor:
+        """Mixture-of-Recursions with expert-choice routing (see the module docstring). h: [s, b, d],
+        carried in fp32 like the gated state; routers and core run in the model's dtype."""
+        dtype = h_pre.dtype
+        h = h_pre.float()
         s, b, d = h.shape
         trained = self.config.recurrences
         if recurrences > trained:
@@ -248,7 +260,7 @@ class GatedRecurrentBlock(MegatronModule):
         aux = []
         for r in range(recurrences):
             candidates = h.gather(0, active.unsqueeze(-1).expand(-1, -1, d))
-            logits = self.routers[r](candidates).squeeze(-1).float()  # [n, b]
+            logits = self.routers[r](candidates.to(dtype)).squeeze(-1).float()  # [n, b]
             n, k = active.shape[0], self.mor_capacity(s, trained, r)
             if causal:
                 # sigmoid > 0.5: the token's own score alone decides. Where training keeps every token
@@ -270,22 +282,23 @@ class GatedRecurrentBlock(MegatronModule):
             x = candidates.gather(0, chosen.unsqueeze(-1).expand(-1, -1, d))
             # The compact sequence keeps the positions' order, so the layers' causal attention is causal
             # among the active tokens: a token attends to the earlier tokens that are still recurring.
-            o = self._run(self.core, x, inputs)
-            w = torch.sigmoid(logits.gather(0, chosen)).unsqueeze(-1).to(x.dtype)
+            o = self._run(self.core, x.to(dtype), inputs).float()
+            w = torch.sigmoid(logits.gather(0, chosen)).unsqueeze(-1)
             update = torch.where(valid.unsqueeze(-1), x + w * (o - x), x)
             h_new = h.scatter(0, active.unsqueeze(-1).expand(-1, -1, d), update)
             if self.step_stats is not None:
                 self._record_stats(h, h_new, w[valid], active_fraction=float(valid.sum()) / (s * b))
             h = h_new
         self.aux_loss = torch.stack(aux).sum() if aux else None
-        return h
+        return h.to(dtype)
 
     def run_core(self, h_pre, inputs: "StepInputs", recurrences: int, grad_recurrences: int):
         """R steps of the recurrence; the first `recurrences - grad_recurrences` run without gradient
-        (truncated backprop of the heavy-tail sampler)."""
+        (truncated backprop of the heavy-tail sampler). The state is carried in fp32 from step to step
+        and handed to the coda in the model's dtype."""
         if self.routers is not None:
             return self.run_mor(h_pre, inputs, recurrences)
-        h = self.initial_state(h_pre, inputs)
+        h = self.initial_state(h_pre, inputs).float()
         no_grad_steps = recurrences - grad_recurrences
         checkpoint = self.config.checkpoint_recurrence and self.training and torch.is_grad_enabled()
         for r in range(recurrences):
@@ -293,15 +306,10 @@ class GatedRecurrentBlock(MegatronModule):
                 with torch.no_grad():
                     h = self.recurrence_step(h, h_pre, inputs, r)
             elif checkpoint:
-                # megatron's checkpoint restores CPU, CUDA and tracker RNG states, so dropout in the
-                # recompute equals that of the first forward (keyed noise is reproducible anyway).
-                def step(h_, h_pre_, r=r):
-                    return self.recurrence_step(h_, h_pre_, inputs, r)
-
-                h = tensor_parallel.checkpoint(step, False, h, h_pre)
+                h = checkpoint_step(self.recurrence_step, h, h_pre, inputs, r)
             else:
                 h = self.recurrence_step(h, h_pre, inputs, r)
-        return h
+        return h.to(h_pre.dtype)
 
     def forward(self, hidden_states, attention_mask, rotary_pos_emb=None, recurrences=None,
                 grad_recurrences=None, noise_seeds=None):
@@ -326,6 +334,41 @@ class StepInputs:
 
 
 NOISE_STATE, NOISE_GATE, NOISE_INITIAL_STATE = 0, 1, 2
+
+
+def checkpoint_step(step_fn, h, h_pre, inputs: StepInputs, r: int) -> torch.Tensor:
+    """`step_fn(h, h_pre, inputs, r)`, its activations recomputed in backward (memory flat in R).
+
+    Non-reentrant (`use_reentrant=False`): the recompute runs inside the one backward pass, so each shared
+    core weight still gets one gradient-accumulation event per backward. megatron's reentrant checkpoint
+    runs a backward per recurrence instead, which DeepSpeed ZeRO 2 refuses ("Gradient computed twice")
+    and ZeRO 3 asserts on. torch restores the CPU and CUDA generators for the recompute; megatron's
+    model-parallel tracker (dropout inside TP regions) is restored by `_tracker_states_as_in_forward`, so
+    the recompute draws the dropout masks of the first forward. Noise is keyed by sample and needs neither.
+    """
+    def run(h_, h_pre_):
+        return step_fn(h_, h_pre_, inputs, r)
+
+    return torch.utils.checkpoint.checkpoint(run, h, h_pre, use_reentrant=False, preserve_rng_state=True,
+                                             context_fn=_tracker_states_as_in_forward)
+
+
+def _tracker_states_as_in_forward():
+    """(forward context, recompute context) for `torch.utils.checkpoint`: the recompute runs with the RNG
+    tracker's states as they were when the forward began, and puts back the states it found."""
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    at_forward = {name: state.clone() for name, state in tracker.get_states().items()}
+
+    @contextmanager
+    def recompute():
+        found = {name: state.clone() for name, state in tracker.get_states().items()}
+        tracker.set_states({name: state.clone() for name, state in at_forward.items()})
+        try:
+            yield
+        finally:
+            tracker.set_states(found)
+
+    return nullcontext(), recompute()
 
 
 def draw_noise(like: torch.Tensor, sigma: float, per_token: bool, seeds: Optional[Sequence[int]],
