@@ -4,7 +4,8 @@
     grt-submit --run-dir runs/tiny --nodes 1 --procs-per-node 2 --time 00:30:00 --dry-run -- \
         model=tiny data=runs/demo/data/corpus train.iters=300 checkpoint.interval=50
 
-Everything after `--` goes to grt-train. Every job resumes with `resume=auto`, saves and requeues itself on
+Everything after `--` goes to grt-train; the run is checked as grt-train would check it at the job's world size
+(nodes × processes per node) before anything is written or submitted. Every job resumes with `resume=auto`, saves and requeues itself on
 USR1 (sent `--signal-seconds` before the time limit), and `--chain N` submits N jobs that run one after the
 other (`--dependency=singleton`) for runs longer than the time limit.
 """
@@ -23,8 +24,11 @@ SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
 TEMPLATE = SLURM_DIR / "train.sbatch.in"
 PRESETS = SLURM_DIR / "presets.yaml"
 DEFAULTS = dict(nodes=1, procs_per_node=1, gpus_per_node=0, launcher="torchrun", time="24:00:00",
-                signal_seconds=300, cpus_per_task=None, partition=None, account=None, qos=None, chain=1,
-                job_name=None, overrides=[], env=[])
+                signal_seconds=300, cpus_per_task=None, cpus_per_proc=None, mem=None, partition=None, account=None,
+                qos=None, chain=1, job_name=None, overrides=[], env=[])
+# CPU cores per training process when none are asked for: a GPU process needs a few for its host-side
+# work (batch indexing, checkpoint hashing and writing, the Python loop); a CPU process computes with one.
+CPUS_PER_GPU_PROC, CPUS_PER_CPU_PROC = 8, 1
 
 
 class SubmitError(ValueError):
@@ -56,6 +60,9 @@ def resolve(args: argparse.Namespace) -> dict:
     for key in ("nodes", "procs_per_node", "chain"):
         if int(settings[key]) < 1:
             raise SubmitError(f"--{key.replace('_', '-')} must be >= 1, got {settings[key]}")
+    gpus, procs = int(settings["gpus_per_node"]), int(settings["procs_per_node"])
+    if gpus and gpus < procs:
+        raise SubmitError(f"--procs-per-node {procs} needs as many GPUs, but --gpus-per-node is {gpus}")
     for item in settings["env"]:
         if "=" not in item:
             raise SubmitError(f"--env {item!r} is not NAME=VALUE")
@@ -65,23 +72,61 @@ def resolve(args: argparse.Namespace) -> dict:
     return settings
 
 
+def world_size(settings: dict) -> int:
+    return int(settings["nodes"]) * int(settings["procs_per_node"])
+
+
+def validate_run(run_dir: Path, settings: dict) -> None:
+    """Refuse now what grt-train would refuse at its start, at the job's world size, with the same code
+    (hydra composes the job's overrides, `build_run_config` checks the layout, batch split and model)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from grt_megatron.model.config import ConfigError
+    from grt_megatron.training.cli import RECIPES, rewrite_data_argument
+    from grt_megatron.training.config import build_run_config
+
+    world = world_size(settings)
+    overrides = [*rewrite_data_argument(list(settings["overrides"])), f"run.dir={run_dir}", "resume=auto"]
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3", job_name="grt-submit"):
+            cfg = compose("train", overrides=overrides)
+        build_run_config(cfg, world_size=world)
+    except ConfigError as err:
+        raise SubmitError(f"grt-train would refuse this run on {world} processes: {err}") from None
+    except (HydraException, OmegaConfBaseException) as err:
+        raise SubmitError(f"grt-train overrides: {str(err).splitlines()[0]}") from None
+
+
+def cpus(settings: dict) -> tuple[int, int]:
+    """(--cpus-per-task, OMP_NUM_THREADS): cores per training process times the processes of a task
+    (torchrun: one task per node runs them all; srun: one task per process)."""
+    procs = int(settings["procs_per_node"])
+    per_proc = settings["cpus_per_proc"] or (CPUS_PER_GPU_PROC if int(settings["gpus_per_node"]) else CPUS_PER_CPU_PROC)
+    torchrun = settings["launcher"] == "torchrun"
+    per_task = int(settings["cpus_per_task"] or (procs * per_proc if torchrun else per_proc))
+    return per_task, max(1, per_task // procs if torchrun else per_task)
+
+
 def render(run_dir: Path, settings: dict, python: str = sys.executable) -> str:
     procs = int(settings["procs_per_node"])
     torchrun = settings["launcher"] == "torchrun"
-    cpus = settings["cpus_per_task"] or (procs if torchrun else 1)
+    cpus_per_task, threads = cpus(settings)
     extra = [f"#SBATCH --{flag}={settings[key]}" for flag, key in
-             (("partition", "partition"), ("account", "account"), ("qos", "qos")) if settings[key]]
+             (("partition", "partition"), ("account", "account"), ("qos", "qos"), ("mem", "mem"))
+             if settings[key] is not None]
     if int(settings["gpus_per_node"]):
         extra.append(f"#SBATCH --gpus-per-node={settings['gpus_per_node']}")
     if int(settings["chain"]) > 1:
         extra.append("#SBATCH --dependency=singleton")
-    env = [f"export OMP_NUM_THREADS={max(1, int(cpus) // procs if torchrun else int(cpus))}",
+    env = [f"export OMP_NUM_THREADS={threads}   # the cores of the task shared by its training processes",
            "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # a failed collective ends the job instead of hanging it"]
     env += [f"export {shlex.quote(item.split('=', 1)[0])}={shlex.quote(item.split('=', 1)[1])}"
             for item in settings["env"]]
     fields = {
         "JOB_NAME": settings["job_name"] or f"grt-{run_dir.name}", "NODES": settings["nodes"],
-        "TASKS_PER_NODE": 1 if torchrun else procs, "CPUS_PER_TASK": cpus, "TIME": settings["time"],
+        "TASKS_PER_NODE": 1 if torchrun else procs, "CPUS_PER_TASK": cpus_per_task, "TIME": settings["time"],
         "RUN_DIR": shlex.quote(str(run_dir)), "SIGNAL_SECONDS": settings["signal_seconds"],
         "SBATCH_EXTRA": "\n".join(extra), "LAUNCHER": settings["launcher"], "PROCS_PER_NODE": procs,
         "ENV": "\n".join(env), "PYTHON": shlex.quote(python),
@@ -104,6 +149,9 @@ def submit(script: Path, chain: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from grt_megatron.console import quiet_known_warnings
+
+    quiet_known_warnings()  # the run check imports megatron-core, which warns about optional kernels
     argv = list(sys.argv[1:] if argv is None else argv)
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
@@ -117,19 +165,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launcher", choices=("torchrun", "srun"))
     parser.add_argument("--time", help="time limit, HH:MM:SS or D-HH:MM:SS")
     parser.add_argument("--signal-seconds", type=int, help="USR1 this long before the time limit (save + requeue)")
-    parser.add_argument("--cpus-per-task", type=int)
+    parser.add_argument("--cpus-per-task", type=int, help="cores per SLURM task (default: processes × --cpus-per-proc)")
+    parser.add_argument("--cpus-per-proc", type=int,
+                        help=f"cores per training process (default {CPUS_PER_GPU_PROC} with GPUs, else {CPUS_PER_CPU_PROC})")
+    parser.add_argument("--mem", help="memory per node, as sbatch --mem (0: all of the node's)")
     parser.add_argument("--partition")
     parser.add_argument("--account")
     parser.add_argument("--qos")
     parser.add_argument("--chain", type=int, help="submit N jobs that run one after another (singleton)")
     parser.add_argument("--job-name")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE exported in the job (repeatable)")
-    parser.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the run as grt-train would at the job's size and print the sbatch script; "
+                             "submit nothing")
     args = parser.parse_args(argv)
     args.grt_train_args = train_args
     try:
         settings = resolve(args)
         run_dir = Path(args.run_dir).resolve()
+        validate_run(run_dir, settings)
         script = render(run_dir, settings)
         if args.dry_run:
             print(script)

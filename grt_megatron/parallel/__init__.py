@@ -7,14 +7,33 @@ vocab-parallel embedding and loss); data parallelism and ZeRO in DeepSpeed. What
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from grt_megatron.model.config import ConfigError
 
 
+def split_global_batch(global_batch: int, micro_batch: Optional[int], dp: int, layout: str = "") -> tuple[int, int]:
+    """(micro-batch size, gradient accumulation steps) that make up `global_batch` on `dp` data-parallel
+    ranks; `micro_batch` None: each rank's whole share at once. A split that does not work is refused,
+    naming the micro-batch sizes that would (`layout` says where `dp` came from)."""
+    where = f"data-parallel size {dp}{layout}"
+    if global_batch % dp:
+        raise ConfigError(f"train.global_batch_size={global_batch} cannot be shared by {where}: it must be a "
+                          f"multiple of {dp}")
+    per_rank = global_batch // dp
+    micro = per_rank if micro_batch is None else micro_batch
+    if per_rank % micro:
+        fits = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        raise ConfigError(f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size "
+                          f"({micro}) × {where}; micro-batch sizes that work: {', '.join(map(str, fits))}")
+    return micro, per_rank // micro
+
+
 def validate_layout(*, world_size: int, tp: int, pp: int, sp: bool, zero_stage: int, model: dict,
-                    seq_length: int, micro_batch: int, global_batch: int) -> int:
+                    seq_length: int, micro_batch: Optional[int], global_batch: int) -> int:
     """Refuse layouts that cannot work, with the reason, before anything is launched. Returns the
     data-parallel size."""
     if tp < 1 or pp < 1:
@@ -54,9 +73,7 @@ def validate_layout(*, world_size: int, tp: int, pp: int, sp: bool, zero_stage: 
         raise ConfigError(f"parallel.pp={pp} needs deepspeed.zero_stage=1: with ZeRO 0, DeepSpeed's pipeline "
                           "engine clips with a wrong gradient norm (tied and TP-replicated gradients "
                           "miscounted) and reports none")
-    if global_batch % (micro_batch * dp):
-        raise ConfigError(f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size "
-                          f"({micro_batch}) × data-parallel size ({dp} = {world_size} processes / tp {tp} / pp {pp})")
+    split_global_batch(global_batch, micro_batch, dp, f" ({world_size} processes / tp {tp} / pp {pp})")
     return dp
 
 

@@ -9,7 +9,7 @@ import deepspeed
 import torch
 from megatron.core import parallel_state
 
-from grt_megatron.model.config import ConfigError
+from grt_megatron.parallel import split_global_batch
 from grt_megatron.training.config import RunConfig
 
 
@@ -59,14 +59,18 @@ def lr_lambda(train_cfg, base_lr: float):
 
 def batch_layout(cfg: RunConfig, dp_size: int) -> tuple[int, int]:
     """(micro batch size, gradient accumulation steps) for this data-parallel size."""
-    t = cfg.train
-    per_step = t.micro_batch_size * dp_size
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size "
-            f"({t.micro_batch_size}) × data-parallel size ({dp_size})"
-        )
-    return t.micro_batch_size, t.global_batch_size // per_step
+    return split_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp_size)
+
+
+def engine_zero_stage(cfg: RunConfig) -> int:
+    """The ZeRO stage DeepSpeed is built with. bf16 with fp32 gradient accumulation exists in DeepSpeed
+    only as its BF16 optimizer, which it selects at stage 1 (at stage 0 it refuses the combination); with
+    one data-parallel rank stage 1 partitions nothing, with more it shards the fp32 master weights and
+    Adam moments, which changes no number."""
+    stage = cfg.deepspeed.zero_stage
+    if stage == 0 and cfg.train.precision == "bf16" and cfg.deepspeed.grad_accum_dtype == "fp32":
+        return 1
+    return stage
 
 
 def deepspeed_config(cfg: RunConfig, dp_size: int, clip_in_deepspeed: bool = True) -> dict[str, Any]:
@@ -76,12 +80,17 @@ def deepspeed_config(cfg: RunConfig, dp_size: int, clip_in_deepspeed: bool = Tru
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": t.grad_clip if clip_in_deepspeed else 0.0,
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "zero_optimization": {"stage": engine_zero_stage(cfg)},
         "bf16": {"enabled": t.precision == "bf16"},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+    if t.precision == "bf16":
+        # Gradients of bf16 layers are summed over micro-batches and over data-parallel ranks in fp32:
+        # bf16's 8-bit mantissa would round small contributions away at every addition.
+        ds["data_types"] = {"grad_accum_dtype": cfg.deepspeed.grad_accum_dtype}
+        ds["communication_data_type"] = cfg.deepspeed.communication_data_type
     if t.optimizer == "deepspeed":
         ds["optimizer"] = {
             "type": "AdamW",
