@@ -41,12 +41,18 @@ def process_group_backend() -> str:
     return "cpu:gloo,cuda:nccl" if run_device().type == "cuda" else "gloo"
 
 
-def configure_cuda(tp: int) -> None:
+def configure_cuda(tp: int, deterministic: bool = False) -> None:
     """Before the CUDA context is created: one hardware queue when tensor parallelism is on, so that a
     TP all-reduce issued before a GEMM runs before it (megatron-core's sequence-parallel overlap relies on
-    this ordering; Megatron-LM's launch scripts set the same variable). A user's own value wins."""
+    this ordering; Megatron-LM's launch scripts set the same variable). With `deterministic`, cuBLAS gets
+    the fixed workspace its deterministic mode needs, and torch refuses nondeterministic kernels (an op
+    without a deterministic kernel then raises instead of silently varying). A user's own values win."""
     if tp > 1:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
 
 
 def set_tf32(enabled: bool) -> bool:

@@ -76,7 +76,8 @@ def export_launcher_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_minutes: int = 30) -> DistributedInfo:
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_minutes: int = 30,
+                     deterministic: bool = False) -> DistributedInfo:
     """Start the process group (gloo on CPU; NCCL plus gloo for host tensors on GPU) and megatron's
     parallel state; seed all RNGs. `timeout_minutes` bounds every collective, also the waits of the
     ranks while rank 0 alone prepares a corpus or verifies a checkpoint (NCCL's default is 10 min)."""
@@ -86,7 +87,7 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_minutes: i
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by parallel.tp × parallel.pp = {tp * pp}")
-    configure_cuda(tp)
+    configure_cuda(tp, deterministic)
     device = run_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)

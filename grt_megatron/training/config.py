@@ -54,6 +54,11 @@ class TrainConfig:
     tf32: bool = True
     """On Ampere and later GPUs, fp32 matmuls use TF32 tensor cores (10-bit mantissa products, fp32
     accumulation; PyTorch's default is off). false: full fp32 (MFU is then against the fp32 peak)."""
+    deterministic: bool = False
+    """Deterministic kernels only (`torch.use_deterministic_algorithms`, cuBLAS's fixed workspace): on a
+    GPU a resumed run then repeats the uninterrupted one bit for bit, at some cost in speed (atomics-based
+    kernels such as the embedding's backward take slower deterministic paths). On CPU runs are already
+    deterministic."""
     optimizer: str = "torch"
     """`torch`: torch.optim.AdamW built by us; `deepspeed`: the AdamW of DeepSpeed's config."""
     torch_adam: bool = False

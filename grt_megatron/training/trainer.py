@@ -117,7 +117,8 @@ class Trainer:
             raise ConfigError(f"run.dir={str(self.run_dir)!r} already holds a run (metrics.jsonl): pass "
                               "resume=auto to continue it, or choose a new run.dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_minutes)
+        self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_minutes,
+                                     cfg.train.deterministic)
         self.tf32 = set_tf32(cfg.train.tf32)
         self.seq_length = cfg.seq_length
         self.resume_path, self.saved = self._select_checkpoint()
