@@ -19,9 +19,8 @@ def _pair():
     from grt_megatron.model import GRTConfig, GRTLanguageModel
 
     fp32 = GRTLanguageModel(GRTConfig.from_recipe(RECIPE), init_seed=5).eval()
-    # megatron builds norms and position embeddings in fp32 whatever params_dtype says; DeepSpeed's bf16
-    # mode casts the whole module, as here.
-    bf16 = GRTLanguageModel(GRTConfig.from_recipe(RECIPE, precision="bf16"), init_seed=5).bfloat16().eval()
+    bf16 = GRTLanguageModel(GRTConfig.from_recipe(RECIPE, precision="bf16"), init_seed=5).eval()
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     with torch.no_grad():
         for p32, p16 in zip(fp32.parameters(), bf16.parameters()):
             p16.copy_(p32)

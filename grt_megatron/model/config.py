@@ -24,8 +24,15 @@ ROUTINGS = ("none", "expert_choice")
 MOR_EVAL_ROUTINGS = ("threshold", "topk")
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
 
-# Settings that only make sense with CUDA kernels (apex / TE / fused jit). grt-megatron builds the
-# model on the portable path everywhere; GPU users who want fusions can flip them in a recipe.
+# megatron-core settings fixed for every device (they are not recipe fields), each for a reason:
+# - use_cpu_initialization: weights are drawn whole on the CPU and then split, so a TP or PP layout
+#   starts from the exact weights of one process (model/init.py); DeepSpeed then moves them to the GPU.
+# - gradient_accumulation_fusion writes into megatron-DDP's `main_grad` buffers, which DeepSpeed has not.
+# - bias_activation_fusion is the tanh approximation of GeLU: another function than the exact GeLU the
+#   unfused layer and the exported HF model compute.
+# - masked_softmax_fusion and persist_layer_norm need apex / Transformer Engine kernels; attention is
+#   torch's fused scaled_dot_product_attention instead (model/specs.py).
+# - bias_dropout_fusion and apply_rope_fusion are jit/TE kernels, kept off until measured on a GPU.
 _PORTABLE_DEFAULTS = dict(
     use_cpu_initialization=True,
     gradient_accumulation_fusion=False,

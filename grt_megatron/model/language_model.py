@@ -73,6 +73,10 @@ class GRTLanguageModel(MegatronModule):
         self.block = build_module(get_grt_block_spec(config), config=config, init_seed=init_seed)
         self.final_norm = build_final_norm(config, init_seed)
         self.output_layer = build_output_layer(config, init_seed, tied=config.tie_embeddings)
+        if config.params_dtype != torch.float32:
+            # megatron builds norms and position embeddings in fp32 whatever params_dtype says; cast the
+            # whole model, as DeepSpeed's bf16 mode would, so that a bf16 model also runs on its own.
+            self.to(config.params_dtype)
 
     def _output_weight(self) -> Optional[torch.Tensor]:
         return self.embedding.word_embeddings.weight if self.config.tie_embeddings else None
