@@ -27,6 +27,7 @@ quiet_known_warnings()
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from grt_megatron.device import set_tf32  # noqa: E402
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.model import DepthDraw, GRTLanguageModel, train_flops_per_token  # noqa: E402
 from grt_megatron.training.config import build_run_config  # noqa: E402
@@ -54,6 +55,7 @@ def main() -> None:
             f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
             f"train.precision={args.precision}", "run.dir=unused"])
     run = build_run_config(cfg)
+    tf32 = set_tf32(run.train.tf32)  # as grt-train: fp32 runs use TF32 tensor cores unless train.tf32=false
     model_cfg = run.model_config(50257)
     engine = build_engine(GRTLanguageModel(model_cfg, init_seed=0).to(info.device), run, dp_size=1)
     tokens = torch.randint(0, 50257, (args.batch, args.seq + 1), device=info.device)
@@ -73,7 +75,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
     flops = train_flops_per_token(model_cfg, args.seq, DepthDraw(r, r)) * args.batch * args.seq / step_s
-    peak = peak_flops_per_device(args.precision, args.peak_tflops)
+    peak = peak_flops_per_device(args.precision, args.peak_tflops, tf32=tf32)
     device = torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu"
     row = {"model": args.model, "shape": model_cfg.shape_name, "device": device, "precision": args.precision,
            "batch": args.batch, "seq_length": args.seq, "median_step_s": step_s,

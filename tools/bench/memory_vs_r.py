@@ -2,10 +2,11 @@
 
     python tools/bench/memory_vs_r.py [--recurrences 2,4,8,16]
 
-Measured exactly, on any device: the bytes of every tensor autograd saves for backward during the forward
-pass (one count per storage; `torch.autograd.graph.saved_tensors_hooks`), plus, with checkpointing, the
-largest recompute of one recurrence during backward. Parameters, gradients and Adam state (fixed in R)
-are reported beside it. Target: with checkpointing, < 10% growth of the step's peak from R 4 to R 16.
+Measured exactly, on any device: the bytes of every tensor storage alive during forward and backward that
+the step itself made (activations saved for backward, a checkpointed recurrence's inputs and its recompute
+in backward, temporaries, gradients), tracked op by op with a `TorchDispatchMode` (each storage counted
+once, released when its last tensor is freed). Parameters and the two Adam moments (fixed in R) are added
+beside it. Target: with checkpointing, < 10% growth of the step's peak from R 4 to R 16.
 Prints a table and writes tools/bench/results/memory_vs_r.json.
 """
 
@@ -26,39 +27,50 @@ from grt_megatron.console import quiet_known_warnings  # noqa: E402
 quiet_known_warnings()
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.model import GRTConfig, GRTLanguageModel  # noqa: E402
 
 
-class SavedBytes:
-    """Counts the storage bytes autograd keeps alive for backward (each storage once, released when the
-    last tensor saved on it is freed); tracks the peak over forward and backward."""
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages that ops create while the mode is on and that are still referenced;
+    `peak` is their maximum. Saved-tensor hooks would miss what torch's non-reentrant checkpoint keeps and
+    recomputes (it installs hooks of its own), so this counts allocations instead."""
 
     def __init__(self):
-        self.live: dict[int, list[int]] = {}  # storage -> [bytes, tensors saved on it]
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # storage -> [bytes, tensors on it]
         self.total = self.peak = 0
 
-    def pack(self, t: torch.Tensor):
-        key = t.untyped_storage().data_ptr()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0:
+            return  # an empty tensor
         if key not in self.live:
-            self.live[key] = [t.untyped_storage().nbytes(), 0]
+            self.live[key] = [storage.nbytes(), 0]
             self.total += self.live[key][0]
             self.peak = max(self.peak, self.total)
         self.live[key][1] += 1
         weakref.finalize(t, self._release, key)
-        return t
 
     def _release(self, key: int) -> None:
-        entry = self.live[key]
+        entry = self.live.get(key)
+        if entry is None:
+            return
         entry[1] -= 1
         if entry[1] == 0:
             self.total -= entry[0]
             del self.live[key]
-
-    @staticmethod
-    def unpack(t):
-        return t
 
 
 def measure(recurrences: int, checkpoint: bool, batch: int, seq: int, width: int, vocab: int) -> dict:
@@ -68,16 +80,16 @@ def measure(recurrences: int, checkpoint: bool, batch: int, seq: int, width: int
         checkpoint_recurrence=checkpoint))
     model = GRTLanguageModel(config).train()
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    counter = SavedBytes()
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+    counter = LiveBytes()
+    with counter:
         loss = model(tokens[:, :-1], tokens[:, 1:], recurrences, recurrences, list(range(batch))).mean()
         after_forward = counter.total
-        loss.backward()  # a checkpointed recurrence re-saves its activations here, one at a time
+        loss.backward()  # a checkpointed recurrence recomputes its activations here, one at a time
     states = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"recurrences": recurrences, "checkpoint_recurrence": checkpoint,
-            "saved_after_forward_bytes": after_forward, "activation_peak_bytes": counter.peak,
-            "parameter_grad_adam_bytes": 4 * states,  # weights, grads, exp_avg, exp_avg_sq (fp32)
-            "step_peak_bytes": counter.peak + 4 * states}
+            "live_after_forward_bytes": after_forward, "step_tensors_peak_bytes": counter.peak,
+            "parameter_adam_bytes": 3 * states,  # weights, exp_avg, exp_avg_sq (fp32); grads are counted above
+            "step_peak_bytes": counter.peak + 3 * states}
 
 
 def main() -> None:
@@ -95,9 +107,9 @@ def main() -> None:
             for ckpt in (False, True) for r in rs]
     mib = 2**20
     print(f"GRT 1+1×R+1, d {args.width}, vocab {args.vocab}, batch {args.batch} × {args.seq} tokens, fp32")
-    print(f"{'R':>4}{'checkpoint':>12}{'activations MiB':>17}{'step peak MiB':>15}")
+    print(f"{'R':>4}{'checkpoint':>12}{'step tensors MiB':>17}{'step peak MiB':>15}")
     for r in rows:
-        print(f"{r['recurrences']:>4}{str(r['checkpoint_recurrence']):>12}{r['activation_peak_bytes'] / mib:>17.1f}"
+        print(f"{r['recurrences']:>4}{str(r['checkpoint_recurrence']):>12}{r['step_tensors_peak_bytes'] / mib:>17.1f}"
               f"{r['step_peak_bytes'] / mib:>15.1f}")
     growth = {}
     for ckpt in (False, True):
