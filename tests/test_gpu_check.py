@@ -1,0 +1,135 @@
+"""tools/gpu_check.py: its pure helpers, and the whole script in CPU mode (what it runs on a GPU, with tiny
+shapes), which must pass every check and write the report it promises."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+def _load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _load_gpu_check()
+
+
+def test_train_losses_ignore_evaluation_records():
+    records = [{"step": 1, "loss": 7.0}, {"step": 1, "split": "valid", "loss": 6.0}, {"step": 2, "loss": 6.5},
+               {"step": 2, "split": "depth_sweep", "recurrences": 1, "loss": 6.9}]
+    assert gpu_check.train_losses(records) == {1: 7.0, 2: 6.5}
+
+
+def test_compare_loss_curves_separates_the_control_from_the_resumed_steps():
+    reference = {1: 7.0, 2: 6.5, 3: 6.25, 4: 6.0}
+    same = gpu_check.compare_loss_curves(reference, dict(reference), resumed_from=2)
+    assert same["bit_exact"] and same["max_abs_diff"] == 0 and same["first_mismatch_step"] is None
+    assert gpu_check.resume_passed(same, "cpu", deterministic=True)
+
+    # Only the resumed steps differ: the resume changed something; never accepted.
+    drifted = gpu_check.compare_loss_curves(reference, {**reference, 3: 6.26, 4: 6.01}, resumed_from=2)
+    assert not drifted["bit_exact"] and drifted["first_mismatch_step"] == 3
+    assert drifted["control_max_abs_diff"] == 0 and drifted["after_resume_max_abs_diff"] == pytest.approx(0.01)
+    assert not any(gpu_check.resume_passed(drifted, mode, d) for mode in ("cpu", "cuda") for d in (True, False))
+
+    # The killed run (no resume yet) already differs: GPU nondeterminism, accepted within the band on CUDA
+    # unless deterministic kernels were asked for.
+    noisy = gpu_check.compare_loss_curves(reference, {1: 7.0, 2: 6.5001, 3: 6.2502, 4: 6.0003}, resumed_from=2)
+    assert noisy["control_max_abs_diff"] > 0 and noisy["same_steps"]
+    assert gpu_check.resume_passed(noisy, "cuda", deterministic=False)
+    assert not gpu_check.resume_passed(noisy, "cuda", deterministic=True)
+    assert not gpu_check.resume_passed(noisy, "cpu", deterministic=False)
+
+    missing = gpu_check.compare_loss_curves(reference, {1: 7.0, 2: 6.5, 3: 6.25}, resumed_from=2)
+    assert not missing["same_steps"] and not missing["bit_exact"] and missing["first_mismatch_step"] == 4
+    assert not gpu_check.resume_passed({**missing, "control_max_abs_diff": 1e-4}, "cuda", deterministic=False)
+
+
+def test_bf16_logits_tolerance_scales_with_the_logits():
+    assert gpu_check.logits_tolerance("fp32", 50.0) == 1e-4
+    assert gpu_check.logits_tolerance("bf16", 0.5) == 2e-2
+    assert gpu_check.logits_tolerance("bf16", 8.0) == pytest.approx(0.16)
+
+
+def test_report_is_written_atomically_and_strict_json(tmp_path):
+    out = tmp_path / "results" / "report.json"
+    gpu_check.write_json_atomically(out, {"a": [1.0, float("nan")], "b": {"c": float("inf")}})
+    assert json.loads(out.read_text()) == {"a": [1.0, None], "b": {"c": None}}
+    assert [p.name for p in out.parent.iterdir()] == ["report.json"]
+
+
+def test_time_guard_refuses_to_start_when_spent():
+    clock = gpu_check.Clock(budget_s=100.0)
+    assert clock.timeout(30) == 30
+    clock.budget_s = 1.0
+    with pytest.raises(gpu_check.CheckFailed, match="time guard"):
+        clock.timeout(30)
+
+
+def test_a_refused_deterministic_mode_is_recorded_and_the_run_repeated_without_it(tmp_path, monkeypatch):
+    ctx = gpu_check.Context(mode=gpu_check.mode_for(cuda=True, steps=None), work=tmp_path,
+                            clock=gpu_check.Clock(100.0), env={})
+    ctx.results.update(corpus="corpus")
+    commands = []
+
+    def fake_run_command(ctx, cmd, name, timeout_s, env=None):
+        commands.append(cmd)
+        (tmp_path / "run").mkdir(exist_ok=True)
+        if "train.deterministic=true" in cmd:
+            raise gpu_check.CheckFailed(f"{name}: exit status 1\nRuntimeError: index_add_cuda_ does not have a "
+                                        "deterministic implementation")
+        return "done"
+
+    monkeypatch.setattr(gpu_check, "run_command", fake_run_command)
+    out, refused = gpu_check.train_uninterrupted(ctx, tmp_path / "run")
+    assert out == "done" and "index_add_cuda_" in refused and len(commands) == 2
+    assert "train.deterministic=true" in commands[0] and "train.deterministic=true" not in commands[1]
+    assert not gpu_check.deterministic_kernels(ctx)  # the killed and resumed runs go without it too
+
+
+def test_gpu_check_in_cpu_mode_passes_every_check(tmp_path):
+    output, work = tmp_path / "gpu_check.json", tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if k not in gpu_check.LAUNCHER_ENV}
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--cpu", "--output", str(output),
+                           "--work-dir", str(work)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    report = json.loads(output.read_text())
+    failed = {c["name"]: c["detail"] for c in report["checks"] if not c["passed"]}
+    assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "9/9 checks passed" in proc.stdout and "PASS kill_resume_bf16" in proc.stdout  # progress lines
+
+    assert {"device", "torch", "python", "date", "mode", "wall_s", "checks", "mfu_grt_medium", "mfu_dense_medium",
+            "grt_over_dense_flops_per_s", "medium"} <= report.keys()
+    assert report["mode"] == "cpu" and report["wall_s"] > 0
+    checks = {c["name"]: c for c in report["checks"]}
+    assert list(checks) == list(gpu_check.CHECKS)
+    assert all(set(c) >= {"name", "passed", "detail"} for c in report["checks"])
+
+    step = checks["cpu_vs_device_step"]["detail"]
+    assert step["initial_weights_identical"] and step["loss_after_abs_diff"] <= 1e-4
+    assert "CPU too" in step["note"]
+
+    resume = checks["kill_resume_bf16"]["detail"]
+    assert resume["exit_status"] == -9 and resume["resumed_from_step"] >= 2
+    assert resume["losses_equal"] and resume["bit_exact"] and resume["max_abs_diff"] == 0.0
+    assert resume["nondeterminism_band"] == 0.0 and "CUBLAS_WORKSPACE_CONFIG" in resume["determinism"]
+    assert checks["depth_sweep"]["detail"]["expected"] == [1, 2, 3, 4, 5, 6]
+
+    generate = checks["hf_generate_cache"]["detail"]
+    assert generate["tokens_equal"] and generate["new_tokens"] == 20
+    logits = checks["hf_logits"]["detail"]
+    assert logits["fp32"]["max_abs_diff"] <= 1e-4 and logits["bf16"]["max_abs_diff"] <= logits["bf16"]["tolerance"]
+
+    rows = report["medium"]
+    assert set(rows) == {"tiny", "tiny_dense"}
+    assert all(r["median_step_s"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] is None for r in rows.values())
+    assert report["mfu_grt_medium"] is None and report["mfu_dense_medium"] is None
+    assert report["grt_over_dense_flops_per_s"] > 0

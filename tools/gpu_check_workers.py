@@ -1,0 +1,203 @@
+"""The in-process measurements of tools/gpu_check.py, each run in a fresh process by it:
+
+    python tools/gpu_check_workers.py step|hf|throughput --result OUT.json [options]
+
+`step`: one fp32 AdamW step of the tiny GRT (weights, logits and losses to compare CPU with the device);
+`hf`: the exported folder through transformers against the framework model (logits, cached generation);
+`throughput`: median step time, FLOPs/s, MFU and peak memory of one model through the DeepSpeed engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+from gpu_check import write_json_atomically  # noqa: E402
+
+
+# ---- workers ------------------------------------------------------------
+def _quiet_imports():
+    from grt_megatron.console import quiet_known_warnings
+
+    quiet_known_warnings()
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from grt_megatron.training.config import build_run_config
+
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        return build_run_config(compose("train", overrides=[*overrides, "run.dir=unused"]))
+
+
+def _tf32_off() -> None:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def worker_step(args) -> dict:
+    """One fp32 AdamW step of the tiny GRT; weights, logits and losses for the comparison."""
+    import torch
+
+    from grt_megatron.distributed import init_distributed
+    from grt_megatron.model import GRTLanguageModel
+
+    info = init_distributed(seed=0)
+    _tf32_off()  # after the set-up, so that nothing it does turns TF32 back on
+    seq, batch, vocab = 64, 4, 1024
+    run = _compose(["model=tiny", "model.noise_sigma=0", "model.depth_sampler=fixed",
+                    f"model.max_sequence_length={seq}", "train.precision=fp32"])
+    config = run.model_config(vocab)
+    model = GRTLanguageModel(config, init_seed=0)  # built on CPU (use_cpu_initialization): same seed, same weights
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    model = model.to(info.device).train()
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(info.device)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    r = config.recurrences
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    logits = model(x).detach()
+    loss = model(x, y, r, r).mean()
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    optimizer.step()
+    with torch.no_grad():
+        loss_after = model(x, y, r, r).mean()
+    torch.save({"weights": weights, "logits": logits.float().cpu()}, args.tensors)
+    device = torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu"
+    return {"device": device, "model": config.shape_name, "loss_before": float(loss), "loss_after": float(loss_after),
+            "grad_norm": float(grad_norm)}
+
+
+def worker_hf(args) -> dict:
+    """The exported folder through transformers on the device, against the framework model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grt_megatron.checkpoint.consolidate import consolidate
+    from grt_megatron.checkpoint.store import inspect_checkpoint
+    from grt_megatron.distributed import init_distributed
+    from grt_megatron.model import GRTConfig, GRTLanguageModel
+
+    info = init_distributed(seed=0)
+    _tf32_off()
+    checkpoint = Path(args.checkpoint)
+    tensors, _ = consolidate(checkpoint, progress=False)
+    recipe = inspect_checkpoint(checkpoint).state["model"]
+    tokens = torch.randint(0, recipe["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(info.device)
+
+    def hf_model(dtype):
+        return AutoModelForCausalLM.from_pretrained(args.hf_dir, trust_remote_code=True, dtype=dtype) \
+            .to(info.device).eval()
+
+    logits = {}
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        framework = GRTLanguageModel(GRTConfig.from_recipe(recipe, precision=precision))
+        framework.load_state_dict(tensors, strict=True)
+        framework = framework.to(info.device).eval()  # a bf16 model is bf16 throughout (language_model.py)
+        with torch.no_grad():
+            want = framework(tokens).float()
+            got = hf_model(dtype)(tokens).logits.float()
+        logits[precision] = {"max_abs_diff": float((got - want).abs().max()),
+                             "max_abs_logit": float(want.abs().max()),
+                             "argmax_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean()),
+                             "shape": list(got.shape)}
+        del framework
+
+    model = hf_model(torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.hf_dir, trust_remote_code=True)
+    prompt_text = "def main():\n    "
+    prompt = torch.tensor([tokenizer.encode(prompt_text, add_special_tokens=False)], device=info.device)
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        cached = model.generate(prompt, use_cache=True, **kw)
+        uncached = model.generate(prompt, use_cache=False, **kw)
+    new = cached.sequences[0, prompt.shape[1]:].tolist()
+    # Scores hold -inf where min_new_tokens masks EOS: equal entries count as no difference.
+    scores_diff = max(float(torch.where(a == b, 0.0, (a - b).abs()).max())
+                      for a, b in zip(cached.scores, uncached.scores))
+    generate = {"prompt": prompt_text, "new_tokens": len(new), "tokens_equal": torch.equal(cached.sequences,
+                                                                                           uncached.sequences),
+                "distinct_new_tokens": len(set(new)), "scores_max_abs_diff": scores_diff,
+                "text": tokenizer.decode(new), "dtype": "fp32",
+                "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu"}
+    return {"logits": logits, "generate": generate}
+
+
+def worker_throughput(args) -> dict:
+    """Median step time of one model through the DeepSpeed engine (as tools/bench/gpu_mfu.py measures)."""
+    import torch
+
+    from grt_megatron.distributed import init_distributed
+    from grt_megatron.model import DepthDraw, GRTLanguageModel, train_flops_per_token
+    from grt_megatron.training.engine import build_engine
+    from grt_megatron.training.metrics import peak_flops_per_device
+
+    info = init_distributed(seed=0)
+    cuda = info.device.type == "cuda"
+    run = _compose([f"model={args.model}", "model.depth_sampler=fixed", f"model.max_sequence_length={args.seq}",
+                    f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
+                    "train.precision=bf16"])
+    config = run.model_config(args.vocab)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    engine = build_engine(GRTLanguageModel(config, init_seed=0).to(info.device), run, dp_size=1)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    x, y = (t.contiguous().to(info.device) for t in (tokens[:, :-1], tokens[:, 1:]))
+    r = config.recurrences  # fixed sampler: every step runs (and back-propagates through) the full R
+    times, losses = [], []
+    for step in range(args.warmup + args.timed_steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = engine(x, y, r, r, list(range(args.batch))).mean()
+        engine.backward(loss)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    step_s = statistics.median(times)
+    tokens_per_step = args.batch * args.seq
+    flops_per_s = train_flops_per_token(config, args.seq, DepthDraw(r, r)) * tokens_per_step / step_s
+    peak = peak_flops_per_device("bf16", None)
+    return {"model": args.model, "shape": config.shape_name, "precision": "bf16", "batch": args.batch,
+            "seq_length": args.seq, "vocab": args.vocab, "warmup_steps": args.warmup, "timed_steps": args.timed_steps,
+            "step_s": times, "median_step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
+            "model_flops_per_s": flops_per_s, "peak_flops_per_s": peak,
+            "mfu": None if peak is None else flops_per_s / peak,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "losses": losses, "losses_finite": all(math.isfinite(v) for v in losses),
+            "device": torch.cuda.get_device_name() if cuda else "cpu"}
+
+
+WORKERS = {"step": worker_step, "hf": worker_hf, "throughput": worker_throughput}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("worker", choices=sorted(WORKERS))
+    parser.add_argument("--result", type=Path, required=True)
+    for name, kind in (("--tensors", str), ("--checkpoint", str), ("--hf-dir", str), ("--model", str),
+                       ("--seq", int), ("--batch", int), ("--warmup", int), ("--timed-steps", int), ("--vocab", int)):
+        parser.add_argument(name, type=kind)
+    args = parser.parse_args(argv)
+    _quiet_imports()
+    write_json_atomically(args.result, WORKERS[args.worker](args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
