@@ -1,0 +1,60 @@
+"""grt-submit checks a run as grt-train would at the job's world size, before anything is written or
+submitted; every preset passes at its own size. (Jobs on a real SLURM cluster: tests/test_slurm.py.)"""
+
+import pytest
+import yaml
+
+from grt_megatron.launch import submit
+
+
+def _submit(capsys, tmp_path, *argv):
+    code = submit.main(["--run-dir", str(tmp_path / "run"), "--dry-run", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("preset", sorted(yaml.safe_load(submit.PRESETS.read_text())))
+def test_every_preset_passes_at_its_own_world_size(capsys, tmp_path, preset):
+    settings = submit.load_presets()[preset]
+    code, script, err = _submit(capsys, tmp_path, "--preset", preset, "--", "data=/scratch/corpus")
+    assert code == 0, err
+    assert f"#SBATCH --nodes={settings['nodes']}" in script
+    # The whole node: its memory, 8 cores per GPU process shared by torchrun's 8 processes.
+    assert "#SBATCH --mem=0" in script and "#SBATCH --cpus-per-task=64" in script
+    assert "export OMP_NUM_THREADS=8" in script
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_global_batch_that_does_not_split_is_refused_with_the_sizes_that_work(capsys, tmp_path):
+    code, out, err = _submit(capsys, tmp_path, "--nodes", "1", "--procs-per-node", "8", "--gpus-per-node", "8", "--",
+                             "model=medium_dense", "train=paper", "train.micro_batch_size=8")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
+        "grt-submit: error: grt-train would refuse this run on 8 processes: train.global_batch_size=480 is not a "
+        "multiple of train.micro_batch_size (8) × data-parallel size 8 (8 processes / tp 1 / pp 1); micro-batch "
+        "sizes that work: 1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_tiny_recipe_goes_from_one_to_four_processes(capsys, tmp_path):
+    """train=cpu's micro-batch is each rank's share of the global batch (16 / DP)."""
+    for procs in (1, 2, 4):
+        code, _, err = _submit(capsys, tmp_path, "--procs-per-node", str(procs), "--", "model=tiny")
+        assert code == 0, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--procs-per-node", "2", "--", "parallel.tp=3"], "2 processes cannot be split into parallel.tp=3"),
+    (["--", "model=no_such_model"], "grt-train overrides: In 'train': Could not find 'model/no_such_model'"),
+    (["--", "train.lr=abc"], "config key train.lr"),
+    (["--procs-per-node", "8", "--gpus-per-node", "4"], "--procs-per-node 8 needs as many GPUs"),
+])
+def test_other_refusals_are_one_line(capsys, tmp_path, args, needle):
+    code, out, err = _submit(capsys, tmp_path, *args)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_cpu_jobs_ask_for_one_core_per_process(capsys, tmp_path):
+    code, script, _ = _submit(capsys, tmp_path, "--procs-per-node", "2")
+    assert code == 0 and "#SBATCH --cpus-per-task=2" in script and "export OMP_NUM_THREADS=1" in script
+    assert "--mem" not in script
