@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+
 def run_device() -> torch.device:
     """This process's device: `cuda:LOCAL_RANK` when CUDA is available (the launcher's LOCAL_RANK, set
     before the process group starts), else the CPU."""

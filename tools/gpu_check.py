@@ -56,6 +56,8 @@ from typing import Any, Callable, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from grt_megatron.training.metrics import read_metrics  # noqa: E402
+
 DEFAULT_OUTPUT = REPO / "tools" / "bench" / "results" / "gpu_check.json"
 WORKER_SCRIPT = Path(__file__).resolve().with_name("gpu_check_workers.py")
 # The whole script must fit in 8 minutes on an H200; a check that would start later fails as "not run".
@@ -149,10 +151,6 @@ def resume_passed(comparison: dict, mode: str, deterministic: bool) -> bool:
 
 def tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def json_safe(value: Any) -> Any:
@@ -410,7 +408,7 @@ def check_train_bf16(ctx: Context) -> tuple[bool, dict, str]:
     start = time.perf_counter()
     out, deterministic_refused = train_uninterrupted(ctx, run_dir)
     seconds = time.perf_counter() - start
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = read_metrics(run_dir / "metrics.jsonl")
     losses = train_losses(records)
     valid = [r for r in records if r.get("split") == "valid"]
     iters = ctx.mode.train_iters
@@ -459,7 +457,7 @@ def start_and_kill_after_first_checkpoint(ctx: Context, run_dir: Path, timeout_s
     status = running.stop()
     if not found:
         raise CheckFailed(f"no checkpoint within {running.timeout_s:.0f} s\n{tail(running.output())}")
-    logged = train_losses(read_jsonl(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").is_file() else {}
+    logged = train_losses(read_metrics(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").is_file() else {}
     return {"killed_after": found[0], "exit_status": status, "steps_logged_before_kill": max(logged, default=0)}
 
 
@@ -472,7 +470,7 @@ def check_kill_resume_bf16(ctx: Context) -> tuple[bool, dict, str]:
     if not match:
         raise CheckFailed(f"the resumed run does not say where it resumed from\n{tail(out)}")
     resumed_from = int(match.group(2))
-    comparison = compare_loss_curves(reference, train_losses(read_jsonl(run_dir / "metrics.jsonl")), resumed_from)
+    comparison = compare_loss_curves(reference, train_losses(read_metrics(run_dir / "metrics.jsonl")), resumed_from)
     passed = killed["exit_status"] == -signal.SIGKILL and resume_passed(comparison, ctx.mode.name,
                                                                         deterministic_kernels(ctx))
     detail = {**killed, "resumed_from_step": resumed_from, "resumed_from": match.group(1), **comparison,

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,51 +134,15 @@ def worker_hf(args) -> dict:
 
 
 def worker_throughput(args) -> dict:
-    """Median step time of one model through the DeepSpeed engine (as tools/bench/gpu_mfu.py measures)."""
-    import torch
-
+    """Median step time of one model through the DeepSpeed engine, measured by tools/bench/gpu_mfu.py."""
     from grt_megatron.distributed import init_distributed
-    from grt_megatron.model import DepthDraw, GRTLanguageModel, train_flops_per_token
-    from grt_megatron.training.engine import build_engine
-    from grt_megatron.training.metrics import peak_flops_per_device
+    from tools.bench.gpu_mfu import measure_training_step
 
-    info = init_distributed(seed=0)
-    cuda = info.device.type == "cuda"
-    run = _compose([f"model={args.model}", "model.depth_sampler=fixed", f"model.max_sequence_length={args.seq}",
-                    f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
-                    "train.precision=bf16"])
-    config = run.model_config(args.vocab)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    engine = build_engine(GRTLanguageModel(config, init_seed=0).to(info.device), run, dp_size=1)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
-    x, y = (t.contiguous().to(info.device) for t in (tokens[:, :-1], tokens[:, 1:]))
-    r = config.recurrences  # fixed sampler: every step runs (and back-propagates through) the full R
-    times, losses = [], []
-    for step in range(args.warmup + args.timed_steps):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = engine(x, y, r, r, list(range(args.batch))).mean()
-        engine.backward(loss)
-        engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-        losses.append(float(loss))
-    step_s = statistics.median(times)
-    tokens_per_step = args.batch * args.seq
-    flops_per_s = train_flops_per_token(config, args.seq, DepthDraw(r, r)) * tokens_per_step / step_s
-    peak = peak_flops_per_device("bf16", None)
-    return {"model": args.model, "shape": config.shape_name, "precision": "bf16", "batch": args.batch,
-            "seq_length": args.seq, "vocab": args.vocab, "warmup_steps": args.warmup, "timed_steps": args.timed_steps,
-            "step_s": times, "median_step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
-            "model_flops_per_s": flops_per_s, "peak_flops_per_s": peak,
-            "mfu": None if peak is None else flops_per_s / peak,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "losses": losses, "losses_finite": all(math.isfinite(v) for v in losses),
-            "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    init_distributed(seed=0)
+    row = measure_training_step(args.model, args.batch, args.seq, args.timed_steps, args.warmup, "bf16",
+                                vocab=args.vocab)
+    return {**row, "warmup_steps": args.warmup, "timed_steps": args.timed_steps,
+            "losses_finite": all(math.isfinite(v) for v in row["losses"])}
 
 
 WORKERS = {"step": worker_step, "hf": worker_hf, "throughput": worker_throughput}

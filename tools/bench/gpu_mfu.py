@@ -27,12 +27,63 @@ quiet_known_warnings()
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from grt_megatron.device import set_tf32  # noqa: E402
+from grt_megatron.device import run_device, set_tf32  # noqa: E402
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.model import DepthDraw, GRTLanguageModel, train_flops_per_token  # noqa: E402
 from grt_megatron.training.config import build_run_config  # noqa: E402
 from grt_megatron.training.engine import build_engine  # noqa: E402
 from grt_megatron.training.metrics import peak_flops_per_device  # noqa: E402
+
+
+def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: int, precision: str = "bf16",
+                          checkpoint_recurrence: bool = False, peak_tflops: float | None = None,
+                          vocab: int = 50257) -> dict:
+    """`steps` timed training steps (after `warmup`) of recipe `model` through the DeepSpeed engine on this
+    process's device, at the full R (fixed depth sampler). `init_distributed` must have run."""
+    device = run_device()
+    cuda = device.type == "cuda"
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        cfg = compose("train", overrides=[
+            f"model={model}", "model.depth_sampler=fixed", f"model.max_sequence_length={seq}",
+            f"model.checkpoint_recurrence={str(checkpoint_recurrence).lower()}",
+            f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
+            f"train.precision={precision}", "run.dir=unused"])
+    run = build_run_config(cfg)
+    tf32 = set_tf32(run.train.tf32)  # as grt-train: fp32 runs use TF32 tensor cores unless train.tf32=false
+    model_cfg = run.model_config(vocab)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    engine = build_engine(GRTLanguageModel(model_cfg, init_seed=0).to(device), run, dp_size=1)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    r = model_cfg.recurrences
+    times, losses = [], []
+    for step in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = engine(x, y, r, r, list(range(batch))).mean()
+        engine.backward(loss)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
+    step_s = statistics.median(times)
+    flops = train_flops_per_token(model_cfg, seq, DepthDraw(r, r)) * batch * seq / step_s
+    peak = peak_flops_per_device(precision, peak_tflops, tf32=tf32)
+    return {"model": model, "shape": model_cfg.shape_name,
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "precision": precision,
+            "batch": batch, "seq_length": seq, "vocab": vocab, "step_s": times, "median_step_s": step_s,
+            "tokens_per_s": batch * seq / step_s, "model_flops_per_s": flops, "peak_flops_per_s": peak,
+            "mfu": None if peak is None else flops / peak,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "losses": losses}
+
+
+# The fields of this benchmark's JSON (measure_training_step returns more).
+ROW_FIELDS = ("model", "shape", "device", "precision", "batch", "seq_length", "median_step_s", "tokens_per_s",
+              "model_flops_per_s", "mfu", "peak_memory_gib")
 
 
 def main() -> None:
@@ -47,41 +98,10 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "gpu_mfu.json"))
     args = parser.parse_args()
-    info = init_distributed(seed=0)
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        cfg = compose("train", overrides=[
-            f"model={args.model}", "model.depth_sampler=fixed", f"model.max_sequence_length={args.seq}",
-            f"model.checkpoint_recurrence={str(args.checkpoint_recurrence).lower()}",
-            f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
-            f"train.precision={args.precision}", "run.dir=unused"])
-    run = build_run_config(cfg)
-    tf32 = set_tf32(run.train.tf32)  # as grt-train: fp32 runs use TF32 tensor cores unless train.tf32=false
-    model_cfg = run.model_config(50257)
-    engine = build_engine(GRTLanguageModel(model_cfg, init_seed=0).to(info.device), run, dp_size=1)
-    tokens = torch.randint(0, 50257, (args.batch, args.seq + 1), device=info.device)
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    r = model_cfg.recurrences
-    times = []
-    for step in range(args.warmup + args.steps):
-        if info.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = engine(x, y, r, r, list(range(args.batch))).mean()
-        engine.backward(loss)
-        engine.step()
-        if info.device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    step_s = statistics.median(times)
-    flops = train_flops_per_token(model_cfg, args.seq, DepthDraw(r, r)) * args.batch * args.seq / step_s
-    peak = peak_flops_per_device(args.precision, args.peak_tflops, tf32=tf32)
-    device = torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu"
-    row = {"model": args.model, "shape": model_cfg.shape_name, "device": device, "precision": args.precision,
-           "batch": args.batch, "seq_length": args.seq, "median_step_s": step_s,
-           "tokens_per_s": args.batch * args.seq / step_s, "model_flops_per_s": flops,
-           "mfu": None if peak is None else flops / peak,
-           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if info.device.type == "cuda" else None}
+    init_distributed(seed=0)
+    measured = measure_training_step(args.model, args.batch, args.seq, args.steps, args.warmup, args.precision,
+                                     args.checkpoint_recurrence, args.peak_tflops)
+    row = {key: measured[key] for key in ROW_FIELDS}
     print(json.dumps(row, indent=2))
     Path(args.output).write_text(json.dumps({"benchmark": "gpu_mfu", "date": time.strftime("%Y-%m-%d"),
                                              "command": "python " + " ".join(sys.argv), **row}, indent=2) + "\n")
