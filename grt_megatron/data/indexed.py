@@ -1,18 +1,26 @@
 """Megatron indexed datasets (`PREFIX.bin` + `PREFIX.idx`) written atomically, with a manifest, and checked.
 
-Files are written under temporary names and renamed when complete, in the order `.bin`, `.meta.json`,
-`.idx`: an `.idx` exists only beside a complete `.bin` and its manifest, so an interrupted preparation
-never leaves a prefix that training would accept. The `.bin/.idx` pair is megatron-core's own format
-(`IndexedDatasetBuilder`), readable by Megatron-LM's `IndexedDataset`.
+Files are written under temporary names (`PREFIX.tmp-HOST-PID.*`) and renamed when complete, `.idx` last:
+an `.idx` exists only beside a complete `.bin`, its manifest and (if the run trained one) its tokenizer, so
+an interrupted preparation never leaves a prefix that training would accept. An error or a signal removes
+the temporaries on the way out; those of a run killed outright (kill -9, out of memory, a crashed node) are
+removed by the next run on the same prefix once it can prove the writer dead (same host, no such pid).
+The `.bin/.idx` pair is megatron-core's own format (`IndexedDatasetBuilder`), readable by Megatron-LM's
+`IndexedDataset`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
+import signal
+import socket
+import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -20,12 +28,82 @@ from grt_megatron.data.sources import DataError
 
 META_SUFFIX = ".meta.json"
 TOKENIZER_SUFFIX = ".tokenizer.model"
+_TEMP_SUFFIXES = (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX, TOKENIZER_SUFFIX + ".tmp")
 
 
 def prefix_paths(prefix: str | os.PathLike) -> dict[str, Path]:
     prefix = str(prefix)
     return {"bin": Path(prefix + ".bin"), "idx": Path(prefix + ".idx"), "meta": Path(prefix + META_SUFFIX),
             "tokenizer": Path(prefix + TOKENIZER_SUFFIX)}
+
+
+def _host() -> str:
+    # Several hosts may write into one shared filesystem, and their pids collide: the host is part of
+    # every temporary name, so that a run only ever judges temporaries of its own host.
+    return socket.gethostname().replace(os.sep, "_") or "localhost"
+
+
+def temp_prefix(prefix: str | os.PathLike, host: Optional[str] = None, pid: Optional[int] = None) -> str:
+    """The prefix this process writes under until commit: `PREFIX.tmp-HOST-PID`."""
+    return f"{prefix}.tmp-{host or _host()}-{pid or os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: nothing is sent, only whether the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; a number that is not a pid
+        return True
+    return True
+
+
+def remove_stale_temporaries(prefix: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries of `prefix` that runs killed outright left behind, where provably dead:
+    written on this host by a pid that no longer exists. Those of other hosts or of live processes (a
+    concurrent run, or a pid reused since) are left alone. Returns the removed files."""
+    prefix = Path(prefix)
+    if not prefix.parent.is_dir():
+        return []
+    suffixes = "|".join(re.escape(s) for s in _TEMP_SUFFIXES)
+    # Greedy host: a host name may itself hold "-digits"; the pid is the last such group.
+    pattern = re.compile(re.escape(prefix.name) + rf"\.tmp-(?P<host>.+)-(?P<pid>\d+)(?:{suffixes})")
+    host, removed = _host(), []
+    for path in sorted(prefix.parent.iterdir()):
+        match = pattern.fullmatch(path.name)
+        if match and match["host"] == host and not _pid_alive(int(match["pid"])) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+@contextlib.contextmanager
+def signals_deferred(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Hold SIGINT/SIGTERM back for a few steps that must not be cut in the middle (renames, cleanup);
+    one received meanwhile is handed to its handler on exit. Handlers, not the signal mask: any thread may
+    receive a signal, but Python runs its handlers in the main thread only, between bytecodes; elsewhere
+    there is nothing to hold back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous: dict[int, Any] = {}
+    try:
+        for signum in signums:
+            if signal.getsignal(signum) is not None:  # None: a handler set outside Python, left alone
+                previous[signum] = signal.signal(signum, lambda n, frame: caught.append(n))
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)  # e.g. default_int_handler: raises KeyboardInterrupt
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(caught[0])
 
 
 def token_dtype(vocab_size: int) -> type:
@@ -40,6 +118,19 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_dir(path: Path) -> None:
+    try:  # the renames themselves survive a crash only once their folder is synced
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems do not sync folders
+        pass
+    finally:
+        os.close(fd)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -48,32 +139,79 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def check_prefix(prefix: str | os.PathLike) -> None:
+    """Refuse an output prefix that is a directory: `out/` would give the hidden files `out/.bin`, and an
+    existing `out` was most likely meant as the folder to write into. And one whose folder cannot be
+    made, before any time is spent on it."""
+    text = str(prefix)
+    seps = tuple(s for s in (os.sep, os.altsep) if s)
+    if not text or text.endswith(seps) or Path(text).is_dir():
+        example = os.path.join(text.rstrip("".join(seps)) or ".", "corpus")
+        raise DataError(f"output prefix {text!r} names a directory; give a file-name prefix, e.g. {example!r}")
+    folder = Path(text).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise DataError(f"output prefix {text!r}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise DataError(f"output prefix {text!r}: cannot write in {folder} (permission denied)")
+
+
 def check_output_free(prefix: str | os.PathLike, overwrite: bool) -> None:
+    check_prefix(prefix)
     existing = [p for key, p in prefix_paths(prefix).items() if p.exists()]
     if existing and not overwrite:
         raise DataError(f"output {existing[0]} exists; refusing to overwrite it (pass --overwrite)")
+    folders = [p for p in existing if p.is_dir()]
+    if folders:
+        raise DataError(f"output {folders[0]} is a directory; refusing to replace it")
+
+
+def _make_parents(path: Path) -> list[Path]:
+    """mkdir -p of `path`'s folder; returns the folders it created, deepest first."""
+    created, folder = [], path.parent
+    while not folder.exists():
+        created.append(folder)
+        folder = folder.parent
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return created
 
 
 class IndexedDatasetWriter:
     """Collects documents (token ids, EOD included) into `PREFIX.bin/.idx` under temporary names;
-    `commit()` makes them visible, `abort()` (also on any exception in a `with` block) removes them."""
+    `commit()` makes them visible, `abort()` (also on any exception in a `with` block, KeyboardInterrupt
+    included) removes them. Files are created on entering the `with` block (or at the first document)."""
 
     def __init__(self, prefix: str | os.PathLike, vocab_size: int, overwrite: bool = False):
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
         check_output_free(prefix, overwrite)
         self.final = prefix_paths(prefix)
-        self.final["bin"].parent.mkdir(parents=True, exist_ok=True)
-        tmp_prefix = f"{prefix}.tmp-{os.getpid()}"
-        self.tmp = prefix_paths(tmp_prefix)
+        self.tmp = prefix_paths(temp_prefix(prefix))
         self.dtype = token_dtype(vocab_size)
         self.vocab_size = vocab_size
         self.documents = 0
         self.tokens = 0
-        self._builder = IndexedDatasetBuilder(str(self.tmp["bin"]), dtype=self.dtype)
+        self.committed = False
+        self._builder = None
+        self._created: list[Path] = []
         self._done = False
 
+    def _open(self) -> None:
+        if self._builder is not None:
+            return
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        try:
+            self._created = _make_parents(self.final["bin"])
+            self._builder = IndexedDatasetBuilder(str(self.tmp["bin"]), dtype=self.dtype)
+        except OSError as err:
+            self.abort()
+            raise DataError(f"cannot write {self.tmp['bin']}: {err.strerror or err}") from None
+        except BaseException:
+            self.abort()  # interrupted between creating the .bin and holding it
+            raise
+
     def add_document(self, ids: np.ndarray | list[int]) -> None:
+        self._open()
         ids = np.asarray(ids)
         if ids.size and int(ids.max()) >= self.vocab_size:
             raise DataError(f"token id {int(ids.max())} is outside the tokenizer's vocabulary ({self.vocab_size})")
@@ -82,6 +220,10 @@ class IndexedDatasetWriter:
         self.tokens += int(ids.size)
 
     def commit(self, meta: dict[str, Any], tokenizer_file: Optional[Path] = None) -> dict[str, Any]:
+        """Make the prefix visible. `tokenizer_file` (best written to `self.tmp["tokenizer"]`) becomes
+        `PREFIX.tokenizer.model`; without one, the tokenizer file of an overwritten earlier run is removed,
+        so that the prefix's files are exactly this run's."""
+        self._open()
         self._builder.finalize(str(self.tmp["idx"]))
         for key in ("bin", "idx"):
             _fsync(self.tmp[key])
@@ -95,28 +237,47 @@ class IndexedDatasetWriter:
             "idx_sha256": _sha256(self.tmp["idx"]),
         }
         if tokenizer_file is not None:
-            os.replace(tokenizer_file, self.final["tokenizer"])
+            if Path(tokenizer_file) != self.tmp["tokenizer"]:
+                os.replace(tokenizer_file, self.tmp["tokenizer"])
+            _fsync(self.tmp["tokenizer"])
             meta["tokenizer_file"] = self.final["tokenizer"].name
         self.tmp["meta"].write_text(json.dumps(meta, indent=2) + "\n")
         _fsync(self.tmp["meta"])
-        # .idx last: its presence means the prefix is complete.
-        for key in ("bin", "meta", "idx"):
-            os.replace(self.tmp[key], self.final[key])
-        self._done = True
+        # Everything new is complete on disk; only now is the old prefix touched. Its .idx goes first and
+        # the new one comes last, so no moment shows an .idx beside another run's files; and a Ctrl-C
+        # waits for the few renames in between.
+        with signals_deferred():
+            self.final["idx"].unlink(missing_ok=True)
+            if tokenizer_file is not None:
+                os.replace(self.tmp["tokenizer"], self.final["tokenizer"])
+            else:
+                self.final["tokenizer"].unlink(missing_ok=True)
+            for key in ("bin", "meta", "idx"):
+                os.replace(self.tmp[key], self.final[key])
+            self._done = self.committed = True
+        _fsync_dir(self.final["idx"].parent)
         return meta
 
     def abort(self) -> None:
         if self._done:
             return
-        try:
-            self._builder.data_file.close()
-        except Exception:
-            pass
-        for path in self.tmp.values():
-            path.unlink(missing_ok=True)
-        self._done = True
+        with signals_deferred():  # a second Ctrl-C does not cut the cleanup short
+            if self._builder is not None:
+                try:
+                    self._builder.data_file.close()
+                except Exception:
+                    pass
+            for path in self.tmp.values():
+                path.unlink(missing_ok=True)
+            for folder in self._created:  # folders this writer made, if nothing else was put there
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+            self._done = True
 
     def __enter__(self) -> "IndexedDatasetWriter":
+        self._open()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

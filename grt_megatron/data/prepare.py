@@ -1,10 +1,11 @@
 """`grt-prepare-data`: text → tokenizer → Megatron indexed dataset (`PREFIX.bin/.idx`).
 
-    grt-prepare-data --input corpus.jsonl --input wikitext:wikitext-2-raw-v1@train \
+    grt-prepare-data --input corpus.jsonl --input wikitext:wikitext-2-raw-v1@train \\
         --output-prefix data/mix --train-tokenizer --vocab-size 8192 --workers 2
 
 Flags follow Megatron-LM's `preprocess_data.py` where they overlap. Documents are tokenized in worker
 processes (order kept), EOD appended to each; output appears only when complete (see indexed.py).
+Ctrl-C or SIGTERM at any point exits 130 / 143 with one line, leaving nothing under the prefix.
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ import argparse
 import itertools
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
 from grt_megatron import __version__
-from grt_megatron.data.indexed import IndexedDatasetWriter, check_output_free, prefix_paths
-from grt_megatron.data.sources import DataError, EmptyCorpusError, SourcePolicy, SourceStats, iter_documents
+from grt_megatron.data.indexed import (IndexedDatasetWriter, check_output_free, prefix_paths,
+                                       remove_stale_temporaries, signals_deferred)
+from grt_megatron.data.sources import (DataError, EmptyCorpusError, SourcePolicy, SourceStats, check_sources,
+                                       iter_documents)
 from grt_megatron.data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
 
 CHUNK_DOCUMENTS = 64
@@ -77,8 +83,25 @@ def _encoded(docs: Iterable[str], tokenizer: Tokenizer, workers: int) -> Iterato
             yield tokenizer.encode_batch(chunk)
         return
     # spawn, not fork: the parent may hold torch/OpenMP threads that a forked child would deadlock on.
-    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+    pool = _started_without_sigint(lambda: mp.get_context("spawn").Pool(
+        workers, initializer=_init_worker, initargs=(tokenizer,)))
+    with pool:
         yield from pool.imap(_encode_chunk, _chunks(docs, CHUNK_DOCUMENTS), chunksize=4)
+
+
+def _started_without_sigint(start: Callable):
+    """Start worker processes that ignore SIGINT: a Ctrl-C reaches the whole process group, and only the
+    parent should answer it (in one line, terminating the pool), not each worker with a traceback. An
+    ignored signal is what a child inherits across exec (a handler would not be), so the parent ignores
+    it while starting them; a Ctrl-C in those milliseconds is lost."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        return start()  # only the main thread may set handlers; None: one set outside Python, left alone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def prepare_dataset(
@@ -92,50 +115,65 @@ def prepare_dataset(
     workers: int = 1,
     overwrite: bool = False,
     progress: bool = True,
+    on_stage: Optional[Callable[[str], None]] = None,
 ) -> PrepareSummary:
     """Tokenize `inputs` into `output_prefix`.bin/.idx; with `train_vocab_size` (and no `tokenizer`),
-    first train a sentencepiece tokenizer on them, saved as `output_prefix`.tokenizer.model."""
+    first train a sentencepiece tokenizer on them, saved as `output_prefix`.tokenizer.model.
+
+    Whatever stops it (an error, KeyboardInterrupt, what a signal handler raises) removes every temporary
+    file it made before going on; an existing prefix is replaced (`overwrite`) only once the new one is
+    complete, by exactly the new run's files. `on_stage` is told "tokenizer training", "tokenization",
+    and "written" once the prefix is complete."""
     if (tokenizer is None) == (train_vocab_size is None):
         raise DataError("give exactly one of a tokenizer (--tokenizer) or --train-tokenizer --vocab-size N")
     policy = policy or SourcePolicy()
+    stage = on_stage or (lambda name: None)
     start = time.perf_counter()
-    trained_file = None
-    if tokenizer is None:
-        check_output_free(output_prefix, overwrite)  # before spending time on training
-        Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    check_output_free(output_prefix, overwrite)  # before spending time on training
+    check_sources(inputs)
+    removed = remove_stale_temporaries(output_prefix)
+    if removed:
+        print(f"removed {len(removed)} temporary files of dead earlier runs on this host: "
+              f"{', '.join(p.name for p in removed)}", flush=True)
+    trained = tokenizer is None
+    if trained:
+        stage("tokenizer training")
         try:
             tokenizer = SentencePieceTokenizer.train(iter_documents(inputs, policy), train_vocab_size, tokenizer_type)
         except EmptyCorpusError:
             raise EmptyCorpusError(f"input {', '.join(inputs)}: the corpus is empty") from None
-        trained_file = tokenizer.save(Path(str(output_prefix) + f".tokenizer.tmp-{os.getpid()}"))
+    stage("tokenization")
     stats = SourceStats()
     eos = tokenizer.eos_id
-    try:
-        with IndexedDatasetWriter(output_prefix, tokenizer.vocab_size, overwrite=overwrite) as writer:
-            bar = tqdm(desc=f"tokenize {Path(output_prefix).name}", unit=" docs", disable=not progress,
-                       dynamic_ncols=True)
-            for encoded in _encoded(iter_documents(inputs, policy, stats), tokenizer, workers):
+    # The writer's `with` removes its temporaries (the trained tokenizer's among them) on any exception;
+    # `closing` stops the worker pool at once rather than whenever the generator is collected.
+    with IndexedDatasetWriter(output_prefix, tokenizer.vocab_size, overwrite=overwrite) as writer:
+        if trained:
+            tokenizer.save(writer.tmp["tokenizer"])
+        with tqdm(desc=f"tokenize {Path(output_prefix).name}", unit=" docs", disable=not progress,
+                  dynamic_ncols=True) as bar, \
+                closing(_encoded(iter_documents(inputs, policy, stats), tokenizer, workers)) as batches:
+            for encoded in batches:
                 for ids in encoded:
                     writer.add_document([*ids, eos])
                 bar.update(len(encoded))
                 bar.set_postfix(tokens=f"{writer.tokens:,}", refresh=False)
-            bar.close()
-            if writer.documents == 0:
-                raise EmptyCorpusError(f"input {', '.join(inputs)}: the corpus is empty")
-            seconds = time.perf_counter() - start
-            meta = {
-                "grt_megatron_version": __version__,
-                "inputs": list(inputs),
-                "tokenizer": tokenizer.describe(),
-                "skipped_records": stats.skipped_records,
-                "replaced_decode_errors": stats.replaced_decode_errors,
-                "policy": asdict(policy),
-                "seconds": seconds,
-            }
-            writer.commit(meta, tokenizer_file=trained_file)
-    finally:
-        if trained_file is not None:
-            trained_file.unlink(missing_ok=True)  # moved into place by commit, or abandoned
+        if writer.documents == 0:
+            raise EmptyCorpusError(f"input {', '.join(inputs)}: the corpus is empty")
+        seconds = time.perf_counter() - start
+        meta = {
+            "grt_megatron_version": __version__,
+            "inputs": list(inputs),
+            "tokenizer": tokenizer.describe(),
+            "skipped_records": stats.skipped_records,
+            "replaced_decode_errors": stats.replaced_decode_errors,
+            "policy": asdict(policy),
+            "seconds": seconds,
+        }
+        # A signal during the commit takes effect after it, once the caller has heard the prefix is complete.
+        with signals_deferred():
+            writer.commit(meta, tokenizer_file=writer.tmp["tokenizer"] if trained else None)
+            stage("written")
     return PrepareSummary(str(output_prefix), writer.documents, writer.tokens, stats.skipped_records,
                           stats.replaced_decode_errors, seconds)
 
@@ -150,9 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grt-prepare-data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", required=True, metavar="PATH_OR_DATASET",
-                        help=".txt / .jsonl / .parquet file, builtin:pydoc_topics, or a Hugging Face dataset "
-                             "name[:config][@split]; repeat for several")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
+                        help=".txt / .jsonl / .json / .parquet file; a directory (every such file under it, "
+                             "recursively, in sorted path order); builtin:pydoc_topics; or a Hugging Face "
+                             "dataset name[:config][@split]; repeat for several")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json (a file-name prefix, not a directory)")
     tok = parser.add_mutually_exclusive_group(required=True)
     tok.add_argument("--tokenizer", help="a sentencepiece .model, or a Hugging Face tokenizer folder or name")
     tok.add_argument("--train-tokenizer", action="store_true",
@@ -170,12 +210,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    from grt_megatron.console import quiet_known_warnings
+class Interrupted(BaseException):
+    """SIGTERM arrived: raised in the main thread, like KeyboardInterrupt for SIGINT, so that it unwinds
+    through every `finally` (temporaries removed) and no `except Exception` on the way swallows it."""
 
-    quiet_known_warnings()
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted(signum)
+
+
+def _interrupted_line(signum: int, stage: str, prefix: str) -> str:
+    name = signal.Signals(signum).name
+    if stage == "written":
+        return f"interrupted ({name}) after {prefix} was written; it is complete"
+    return f"interrupted ({name}) during {stage}; nothing written under {prefix}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupted)
+    stage = "start-up"
+
+    def on_stage(name: str) -> None:
+        nonlocal stage
+        stage = name
+        if name == "tokenizer training":
+            print(f"training a {args.tokenizer_type} tokenizer ({args.vocab_size} pieces) on the inputs", flush=True)
+        elif name == "tokenization":
+            print(f"tokenizing into {args.output_prefix}", flush=True)
+
     try:
+        from grt_megatron.console import quiet_known_warnings
+
+        quiet_known_warnings()
         if args.workers < 1:
             raise DataError(f"--workers must be >= 1, got {args.workers}")
         policy = SourcePolicy(args.json_key, args.on_bad_record, args.on_decode_error)
@@ -184,14 +255,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.input, args.output_prefix, tokenizer,
             train_vocab_size=args.vocab_size if args.train_tokenizer else None,
             tokenizer_type=args.tokenizer_type, policy=policy, workers=args.workers,
-            overwrite=args.overwrite, progress=not args.no_progress,
+            overwrite=args.overwrite, progress=not args.no_progress, on_stage=on_stage,
         )
     except DataError as err:
         print(f"grt-prepare-data: error: {err}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("grt-prepare-data: interrupted; nothing was written", file=sys.stderr)
-        sys.exit(130)
+    except (KeyboardInterrupt, Interrupted) as err:
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+        print(f"grt-prepare-data: {_interrupted_line(signum, stage, args.output_prefix)}", file=sys.stderr)
+        sys.exit(128 + signum)
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
     print(summary.line())
 
 

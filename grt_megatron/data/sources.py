@@ -1,4 +1,11 @@
-"""Where text comes from: the built-in corpus, local .txt/.jsonl/.parquet files, Hugging Face datasets.
+"""Where text comes from: the built-in corpus, local .txt/.jsonl/.parquet files, local directories of them,
+Hugging Face datasets.
+
+A source is, in this order: `builtin:pydoc_topics`; an existing file (`.jsonl`/`.json`: one JSON record a
+line; `.parquet`; anything else: plain text); an existing directory, read as every `.txt`, `.jsonl`,
+`.json` and `.parquet` file under it, recursively, in sorted path order (folder by folder), each as that
+file alone would be read, other files ignored; otherwise a Hugging Face dataset `name[:config][@split]`
+(a name that looks like a path or a file is refused as missing instead).
 
 Bad records and bad bytes either stop the run with one line naming the file and line, or are skipped /
 replaced and counted, as the caller's `SourcePolicy` says.
@@ -87,7 +94,11 @@ def _pydoc_topics() -> Iterator[str]:
 
 
 def _jsonl(path: Path, policy: SourcePolicy, stats: SourceStats) -> Iterator[str]:
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except OSError as err:
+        raise DataError(f"{path}: cannot read it ({err.strerror or err})") from None
+    with f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
@@ -138,22 +149,64 @@ def _hf_dataset(spec: str, policy: SourcePolicy) -> Iterator[str]:
         yield str(record[policy.text_key])
 
 
+def _local_file(path: Path, policy: SourcePolicy, stats: SourceStats) -> Iterator[str]:
+    if path.suffix in (".jsonl", ".json"):
+        yield from _jsonl(path, policy, stats)
+    elif path.suffix == ".parquet":
+        yield from _parquet(path, policy)
+    else:  # any other file is plain text
+        try:
+            raw = path.read_bytes()
+        except OSError as err:
+            raise DataError(f"{path}: cannot read it ({err.strerror or err})") from None
+        yield from split_text_file(_decode(raw, str(path), policy, stats))
+
+
+def directory_files(path: Path) -> list[Path]:
+    """The files a directory source reads: every LOCAL_SUFFIXES file under `path`, recursively, sorted by
+    path component by component (a folder's files stay together, before the next folder's)."""
+    try:
+        return sorted(p for p in Path(path).rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
+    except OSError as err:
+        raise DataError(f"input {str(path)!r}: cannot list the directory ({err.strerror or err})") from None
+
+
+def _local_files(source: str) -> list[Path] | None:
+    """The files a local source reads (None: not local, a dataset name or the built-in corpus); a path
+    that is not there, or a directory with nothing to read, is refused."""
+    if source in (BUILTIN_PYDOC, "builtin"):
+        return None
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():  # before the dataset name: a local folder wins over a hub name
+        files = directory_files(path)
+        if not files:
+            raise DataError(f"input {source!r}: a directory without any {', '.join('*' + s for s in LOCAL_SUFFIXES)} "
+                            "file (searched recursively)")
+        return files
+    if path.suffix in LOCAL_SUFFIXES or source.startswith((".", "/", "~")):
+        raise DataError(f"input {source!r}: no such file")
+    return None
+
+
+def check_sources(sources: Sequence[str] | str) -> None:
+    """Refuse a missing local input or an empty directory now, before hours are spent on the inputs
+    before it (the contents are checked as they are read)."""
+    for source in [sources] if isinstance(sources, str) else sources:
+        _local_files(source)
+
+
 def _one_source(source: str, policy: SourcePolicy, stats: SourceStats) -> Iterator[str]:
     if source in (BUILTIN_PYDOC, "builtin"):
         yield from _pydoc_topics()
         return
-    path = Path(source).expanduser()
-    if path.is_file():
-        if path.suffix in (".jsonl", ".json"):
-            yield from _jsonl(path, policy, stats)
-        elif path.suffix == ".parquet":
-            yield from _parquet(path, policy)
-        else:  # any other file is plain text
-            yield from split_text_file(_decode(path.read_bytes(), str(path), policy, stats))
-    elif path.suffix in LOCAL_SUFFIXES or source.startswith((".", "/", "~")):
-        raise DataError(f"input {source!r}: no such file")
-    else:
+    files = _local_files(source)
+    if files is None:
         yield from _hf_dataset(source, policy)
+        return
+    for file in files:
+        yield from _local_file(file, policy, stats)
 
 
 def iter_documents(sources: Sequence[str] | str, policy: SourcePolicy | None = None,

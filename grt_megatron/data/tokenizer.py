@@ -90,8 +90,13 @@ class SentencePieceTokenizer(Tokenizer):
         if model_type not in ("bpe", "unigram"):
             raise DataError(f"tokenizer model type {model_type!r} is not one of bpe, unigram")
 
-        # sentencepiece swallows exceptions raised inside its sentence iterator (a bad input file would
-        # surface as "no sentences"), so the iterator keeps the first one and it is raised here.
+        # sentencepiece does not let an exception raised inside its sentence iterator through: depending on
+        # the version it trains on what it got so far, or reports "no sentences" or its own "INTERNAL:
+        # KeyboardInterrupt" error. A bad input file or a Ctrl-C (KeyboardInterrupt, or what a SIGTERM
+        # handler raises) would become a tokenizer of a cut sample or a misleading error. So the iterator
+        # keeps the first exception and hands sentencepiece a non-string, which stops it at once; the kept
+        # exception is raised here. (A signal while sentencepiece trains, after the last sentence, is
+        # raised by Python when it returns.)
         failure: list[BaseException] = []
         seen = [0]
 
@@ -104,8 +109,11 @@ class SentencePieceTokenizer(Tokenizer):
                             yield para
                     if seen[0] >= max_bytes:
                         return
-            except Exception as err:
+            except GeneratorExit:  # sentencepiece let go of the iterator: not a failure
+                raise
+            except BaseException as err:
                 failure.append(err)
+                yield None  # not a str: sentencepiece stops with an error
 
         buf = io.BytesIO()
         try:
@@ -117,9 +125,11 @@ class SentencePieceTokenizer(Tokenizer):
                 input_sentence_size=1_000_000, shuffle_input_sentence=True, num_threads=os.cpu_count() or 1,
                 unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2,
             )
-        except RuntimeError as err:
+        except Exception as err:
             if failure:
                 raise failure[0] from None
+            if not isinstance(err, RuntimeError):
+                raise
             if seen[0] == 0:
                 raise EmptyCorpusError("no text to train a tokenizer on: the corpus is empty") from None
             raise DataError(f"vocab size {vocab_size}: sentencepiece could not train: {err}") from None
@@ -130,8 +140,12 @@ class SentencePieceTokenizer(Tokenizer):
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(self.model_proto)
-        os.replace(tmp, path)
+        try:
+            tmp.write_bytes(self.model_proto)
+            os.replace(tmp, path)
+        except BaseException:  # a full disk or a Ctrl-C leaves no half-written file behind
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     @property
