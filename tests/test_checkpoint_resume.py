@@ -1,6 +1,7 @@
 """Resuming is exact: N steps straight == N/2 steps + resume + N/2 steps, bit for bit, in every layout;
 killed saves, SIGUSR1, resharding and refused changes (grt-train and grt-ckpt as users run them)."""
 
+import contextlib
 import json
 import os
 import random
@@ -116,32 +117,72 @@ def _wait_for(predicate, proc, timeout=120):
         time.sleep(0.002)
 
 
-def test_sigkill_during_saves_always_resumes_from_newest_complete(pydoc_prefix, tmp_path, reference):
-    from grt_megatron.checkpoint import list_checkpoints
+def _newest(root):
+    """The step `latest` names (0 before the first save): written last, so polling it is cheap and safe."""
+    latest = root / "latest"
+    return int(latest.read_text().strip()[5:]) if latest.exists() else 0
+
+
+def _saves_in_progress(root):
+    """The temporary directories of saves, each as (name, mtime): a new save's differs from a killed one's."""
+    return {(p.name, p.stat().st_mtime_ns) for p in root.glob(".tmp-step_*")}
+
+
+def _last_step_seconds(run_dir):
+    for line in reversed((run_dir / "metrics.jsonl").read_text().splitlines()):
+        with contextlib.suppress(json.JSONDecodeError):  # a line being written
+            if "step_seconds" in (record := json.loads(line)):
+                return record["step_seconds"]
+    return 0.5
+
+
+def _kill_at(kind, proc, root, rng, timing):
+    """Wait for a random moment of `kind` in the run of `proc`, then SIGKILL it. `start-up`: before its
+    first step (imports, data, resuming); `step` and `save`: after one more checkpoint than it started
+    with (each kill makes progress), anywhere in the next step, or while the next save is writing."""
+    started, before = time.perf_counter(), _newest(root)
+    if kind == "start-up":
+        time.sleep(rng.uniform(0, 0.9 * timing["start-up"]))
+    else:
+        _wait_for(lambda: _newest(root) > before, proc)
+        timing["start-up"] = timing.get("start-up") or time.perf_counter() - started
+        if kind == "save":
+            _wait_for(lambda: any(root.glob(".tmp-step_*")), proc)
+            time.sleep(rng.uniform(0, 0.03))  # a save takes ~0.1 s here
+        else:  # within a step's time: the next checkpoint is rarely reached, 12 steps leave room for 10 kills
+            time.sleep(rng.uniform(0, 0.8 * _last_step_seconds(root.parent)))
+    assert proc.poll() is None, "the run finished before it was killed: too few steps for the kills planned"
+    proc.kill()
+    return proc.communicate()[0]
+
+
+def test_sigkill_at_random_moments_always_resumes_to_the_uninterrupted_curve(pydoc_prefix, tmp_path, reference):
+    """One run killed ten times at seeded random moments, each time continued with resume=auto: every
+    checkpoint left is complete, each restart resumes from the newest, and the curve is the reference's."""
+    from grt_megatron.checkpoint import inspect_checkpoint, list_checkpoints
 
     rng = random.Random(0)
-    args = _args(pydoc_prefix[0], iters=12, interval=1, extra=["data.train_samples=160", "checkpoint.keep_last=2"])
-    mid_save = 0
-    for trial in range(3):
-        run_dir = tmp_path / f"trial{trial}"
-        root = run_dir / "checkpoints"
-        proc = _start([*args, f"run.dir={run_dir}"])
-
-        def saving_after(step):  # a save in progress, after the checkpoint of `step` was committed
-            latest = root / "latest"
-            return list(root.glob(".tmp-step_*")) and latest.exists() and int(latest.read_text()[5:]) >= step
-
-        _wait_for(lambda: saving_after(1 + 3 * trial), proc)  # a later save each trial
-        time.sleep(rng.uniform(0, 0.03))
-        proc.kill()
-        proc.communicate()
-        mid_save += bool(list(root.glob(".tmp-step_*")))
-        complete = [c.step for c in list_checkpoints(root) if c.complete]
-        proc = run_cli([*args, f"run.dir={run_dir}", "resume=auto"])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"resumed from {root / f'step_{max(complete):08d}'} at step {max(complete)}" in proc.stdout
-        assert _curve(run_dir) == _curve(reference)  # the whole curve, before and after the kill
-    assert mid_save >= 1  # at least one kill landed inside a save (a .tmp directory was left behind)
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    args = [*_args(pydoc_prefix[0], iters=12, interval=1, extra=["data.train_samples=160", "checkpoint.keep_last=2"]),
+            f"run.dir={run_dir}"]
+    plan = ["start-up"] * 2 + ["save"] * 4 + ["step"] * 3
+    rng.shuffle(plan)
+    timing, in_save, resume, resumed_at = {}, 0, [], 0
+    for kind in ["step", *plan]:  # the first kill after a step: it measures how long start-up takes
+        stale = _saves_in_progress(root)  # left by the previous kill (the next save removes them)
+        out = _kill_at(kind, _start([*args, *resume]), root, rng, timing)
+        in_save += bool(_saves_in_progress(root) - stale)
+        left = [inspect_checkpoint(c.path, verify_hashes=True) for c in list_checkpoints(root)]
+        assert left and all(c.complete for c in left), [c.problem for c in left]
+        if "resumed from" in out:  # the killed restart got as far as resuming: from the newest
+            assert f"resumed from {root / f'step_{resumed_at:08d}'} at step {resumed_at} " in out
+        resumed_at, resume = left[-1].step, ["resume=auto"]
+    proc = run_cli([*args, *resume])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {root / f'step_{resumed_at:08d}'} at step {resumed_at} " in proc.stdout
+    assert _curve(run_dir) == _curve(reference)  # the whole curve, every step before and after the kills
+    assert in_save >= 1  # at least one kill landed inside a save (its .tmp directory was left behind)
 
 
 def test_sigusr1_saves_exits_0_and_resume_continues_the_curve(pydoc_prefix, tmp_path, reference):

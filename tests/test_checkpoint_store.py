@@ -98,6 +98,21 @@ def test_prune_keeps_the_last_k_and_permanent_ones(tmp_path):
     assert [c.step for c in list_checkpoints(tmp_path)] == [2, 5, 6]
 
 
+def test_a_prune_killed_midway_leaves_no_half_deleted_checkpoint(tmp_path):
+    """Pruning renames a checkpoint out of the `step_N` names before deleting it: killed during the
+    deletion, it leaves a dot-directory that is never listed and that the next save removes."""
+    for step in (1, 2):
+        _save(tmp_path, step)
+    killed = tmp_path / ".pruned-step_00000001"
+    (tmp_path / "step_00000001").rename(killed)
+    (killed / "manifest.json").unlink()  # part of it deleted when the kill came
+    assert [c.step for c in list_checkpoints(tmp_path)] == [2]
+    _save(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    assert [p.name for p in prune(tmp_path, keep_last=1)] == ["step_00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000003"]
+
+
 def test_resuming_an_older_checkpoint_moves_newer_ones_aside(tmp_path):
     for step in (1, 2, 3):
         _save(tmp_path, step)

@@ -8,8 +8,9 @@ import importlib
 _EXPORTS = {
     "save_checkpoint": "checkpointer", "load_checkpoint": "checkpointer",
     "compare_configs": "compat", "compare_models": "compat",
-    "CheckpointError": "store", "CheckpointInfo": "store", "inspect_checkpoint": "store",
-    "list_checkpoints": "store", "resolve_checkpoint": "store", "supersede_newer": "store",
+    "CheckpointError": "store", "CheckpointWriteError": "store", "CheckpointInfo": "store",
+    "inspect_checkpoint": "store", "list_checkpoints": "store", "resolve_checkpoint": "store",
+    "supersede_newer": "store",
 }
 __all__ = sorted(_EXPORTS)
 

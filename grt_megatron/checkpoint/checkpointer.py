@@ -3,13 +3,18 @@
 Collective: every rank calls them. Data-parallel rank 0 of each (TP rank, pipeline stage) writes that
 shard's tensors; every rank writes its RNG states; rank 0 writes the trainer state, the tokenizer and
 the manifest, and commits. Loading reads only JSON and safetensors: nothing is unpickled.
+
+A save that fails on any rank (an OSError: full disk, no permission, read-only or failing storage) fails
+on every rank with the same `CheckpointWriteError`, after rank 0 removed the partial directory: ranks
+exchange their outcome in the save's collectives, so none waits for a rank that gave up.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +36,15 @@ from grt_megatron.checkpoint.state import (
     partition_dim,
     split_tp,
 )
-from grt_megatron.checkpoint.store import TRAINER_STATE, PendingSave, prune, write_file
+from grt_megatron.checkpoint.store import (
+    TRAINER_STATE,
+    PendingSave,
+    free_bytes,
+    os_failure,
+    prune,
+    write_error,
+    write_file,
+)
 from grt_megatron.device import device_tensor
 
 
@@ -52,39 +65,96 @@ def _ranks(engine, pipelined: bool) -> tuple[int, int, int]:
 @torch.no_grad()
 def save_checkpoint(root: Path, step: int, engine, pipelined: bool, tokenizer, trainer_state: dict[str, Any],
                     keep_last: int, permanent: bool = False) -> Path:
-    """Write the engine's state at `step` under `root` atomically; returns the checkpoint directory."""
-    rank = dist.get_rank()
+    """Write the engine's state at `step` under `root` atomically; returns the checkpoint directory.
+    Raises CheckpointWriteError on every rank if any rank could not write (nothing of the save is left)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     pending = PendingSave(root, step)
+    # Rank 0 makes the temporary directory. Broadcasting whether it could (rather than a barrier) keeps
+    # the others from writing into a directory that is not there.
+    failure = _broadcast(_attempt(pending.prepare, rank, pending.root) if rank == 0 else None)
+    payloads = _serialize(engine, pipelined, trainer_state, rank)
+    # The size is known before anything is written, so that a full disk's error can say what it needs
+    # (a Hugging Face tokenizer folder's size is not: it counts as nothing, the size is "about").
+    planned = sum(map(len, payloads.values())) + (len(getattr(tokenizer, "model_proto", b"")) if rank == 0 else 0)
+    files: dict[str, dict[str, Any]] = {}
+    if failure is None:
+        failure = _attempt(lambda: _write(pending, payloads, tokenizer if rank == 0 else None, files), rank,
+                           pending.root)
+    payloads.clear()  # the serialized shard is as large as the tensors: not kept past the writing
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {"files": files, "bytes": planned, "failure": failure})
+    needed = sum(part["bytes"] for part in gathered)
+    failure = next((part["failure"] for part in gathered if part["failure"]), None)  # the lowest rank's
     if rank == 0:
-        pending.prepare()
-    dist.barrier()
+        if failure is None:
+            every_file = {k: v for part in gathered for k, v in part["files"].items()}
+            failure = _attempt(lambda: pending.commit(every_file, permanent), rank, pending.root)
+        if failure is None:
+            _prune(pending.root, keep_last)
+        else:
+            pending.discard()
+    # The commit's outcome (rather than a barrier): after it the save is in place, or gone, on every rank.
+    failure = _broadcast(failure)
+    if failure is not None:
+        raise write_error(pending.name, pending.root, failure, needed, world)
+    return pending.root / pending.name
+
+
+def _serialize(engine, pipelined: bool, trainer_state: dict[str, Any], rank: int) -> dict[str, bytes]:
+    """This rank's files as bytes: its shard's tensors (DP rank 0 of each shard), its RNG states, and on
+    rank 0 the trainer state. Gathering the tensors is collective over DP: every DP rank walks them."""
     tp_rank, pp_rank, dp_rank = _ranks(engine, pipelined)
     params = named_parameters(engine.module, pipelined)
     optimizer = OptimizerState(engine)
-    # Gathering is collective over DP: every DP rank walks the tensors, rank 0 keeps them.
     tensors = {key: t.detach().to("cpu", torch.float32).contiguous()
                for key, t in iter_state_tensors(optimizer, params)}
-    files: dict[str, dict[str, Any]] = {}
+    payloads = {}
     if dp_rank == 0:
         meta = {"tp_rank": str(tp_rank), "pp_rank": str(pp_rank),
                 "partition_dims": json.dumps({name: partition_dim(p) for name, p in params})}
-        files[shard_name(tp_rank, pp_rank)] = write_file(pending.tmp / shard_name(tp_rank, pp_rank),
-                                                          save_tensors(tensors, metadata=meta))
+        payloads[shard_name(tp_rank, pp_rank)] = save_tensors(tensors, metadata=meta)
     del tensors
-    files[rng_name(rank)] = write_file(pending.tmp / rng_name(rank), capture_rng())
+    payloads[rng_name(rank)] = capture_rng()
     if rank == 0:
         state = {**trainer_state, "optimizer_steps": optimizer.step_count(),
                  "lr_scheduler": {k: v for k, v in engine.lr_scheduler.state_dict().items() if k != "lr_lambdas"}}
-        files[TRAINER_STATE] = write_file(pending.tmp / TRAINER_STATE, json.dumps(state, indent=2).encode())
+        payloads[TRAINER_STATE] = json.dumps(state, indent=2).encode()
+    return payloads
+
+
+def _write(pending: PendingSave, payloads: dict[str, bytes], tokenizer, files: dict[str, dict[str, Any]]) -> None:
+    """Write this rank's files (and the tokenizer, on rank 0) into the save's temporary directory."""
+    for name, data in payloads.items():
+        files[name] = write_file(pending.tmp / name, data)
+    if tokenizer is not None:
         files.update(pending.add_tokenizer(tokenizer))
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, files)
-    final = pending.root / pending.name
-    if rank == 0:
-        final = pending.commit({k: v for part in gathered for k, v in part.items()}, permanent)
-        prune(pending.root, keep_last)
-    dist.barrier()
-    return final
+
+
+def _attempt(action: Callable[[], Any], rank: int, root: Path) -> Optional[dict[str, Any]]:
+    """None if `action` succeeded, else its OSError as data for the other ranks, with the free space
+    measured before it ran (after a full disk's failure there is none left: that is not the news)."""
+    free = free_bytes(root)
+    try:
+        action()
+    except OSError as err:
+        return os_failure(err, rank, free)
+    return None
+
+
+def _broadcast(value):
+    """Rank 0's `value` on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    """Pruning comes after the new checkpoint is in place: failing to delete an old one is a warning."""
+    try:
+        prune(root, keep_last)
+    except OSError as err:
+        print(f"checkpoint: warning: could not remove old checkpoints under {root}: {err}", file=sys.stderr,
+              flush=True)
 
 
 class ShardIndex:

@@ -10,14 +10,19 @@
             PERMANENT                   (optional) never pruned
         latest                          name of the newest checkpoint (for people and tools)
         .tmp-step_00000300/             a save in progress (or killed): never read
+        .pruned-step_00000100/          an old checkpoint being deleted (or killed while deleted): never read
 
 A save writes into `.tmp-step_N`, fsyncs every file, writes the manifest, renames the directory to
 `step_N` and fsyncs its parent; `latest` changes after that. A directory named `step_N` therefore always
-has its manifest; whether its files still match it is checked before it is used.
+has its manifest; whether its files still match it is checked before it is used. A save that fails (a
+full disk, no permission, read-only or failing storage) is undone: its temporary directory is removed,
+`latest` and the earlier checkpoints stay as they were, and `CheckpointWriteError` says why in one line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -38,6 +43,53 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used: missing, incomplete, corrupt, foreign or incompatible."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (its partial files removed; earlier checkpoints untouched)."""
+
+
+# Errors that more free space would cure: their message says how much is needed and how much is free.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def human_bytes(n: float) -> str:
+    """`300 KiB`, `1.2 MiB`: two significant digits are enough to compare a need with what is free."""
+    n, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            break
+        n, unit = n / 1024, bigger
+    return f"{n:.0f} {unit}" if unit == "B" or n >= 10 else f"{n:.1f} {unit}"
+
+
+def free_bytes(path: Path) -> Optional[int]:
+    """Free space on the file system of `path` (or of its nearest existing parent); None if unknown."""
+    for candidate in (Path(path), *Path(path).parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def os_failure(err: OSError, rank: int, free: Optional[int]) -> dict[str, Any]:
+    """An OSError as plain data: it travels to the other ranks (all_gather_object) to be raised there too."""
+    text = os.strerror(err.errno) if err.errno else str(err)
+    return {"rank": rank, "errno": err.errno, "text": text[:1].lower() + text[1:], "file": err.filename,
+            "free": free}
+
+
+def write_error(name: str, root: Path, failure: dict[str, Any], needed: int, world_size: int) -> CheckpointWriteError:
+    """The one-line error every rank raises for a failed save (built from the same data on every rank)."""
+    where = f" on rank {failure['rank']}" if world_size > 1 else ""
+    detail = f"needs about {human_bytes(needed)}"
+    if failure["errno"] in _NO_SPACE and failure["free"] is not None:
+        detail += f", {human_bytes(failure['free'])} free"
+    elif failure["file"]:
+        detail = f"{failure['file']}; " + detail  # which path was refused says which permission to fix
+    return CheckpointWriteError(f"could not write checkpoint {name} under {root}: {failure['text']}{where} "
+                                f"({detail})")
 
 
 def step_dir_name(step: int) -> str:
@@ -77,8 +129,13 @@ def file_entry(path: Path) -> dict[str, Any]:
 
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    write_file(tmp, text.encode())
-    os.replace(tmp, path)
+    try:
+        write_file(tmp, text.encode())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):  # a half-written temporary file would only take up room
+            tmp.unlink()
+        raise
     fsync_dir(path.parent)
 
 
@@ -203,9 +260,10 @@ class PendingSave:
         self.tmp = self.root / f".tmp-{self.name}"
 
     def prepare(self) -> None:
-        """Rank 0, before the others write: a clean temporary directory (stale ones are from killed saves)."""
+        """Rank 0, before the others write: a clean temporary directory (stale ones, and half-deleted
+        pruned checkpoints, are from killed saves)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob(".tmp-step_*"):
+        for stale in (*self.root.glob(".tmp-step_*"), *self.root.glob(".pruned-step_*")):
             shutil.rmtree(stale, ignore_errors=True)
         self.tmp.mkdir()
 
@@ -219,26 +277,63 @@ class PendingSave:
             entries[str(file.relative_to(self.tmp))] = file_entry(file)
         return entries
 
+    def discard(self) -> None:
+        """Rank 0, after a failed save: remove what the ranks wrote."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
     def commit(self, files: dict[str, dict[str, Any]], permanent: bool) -> Path:
-        """Rank 0, after every rank wrote: manifest, rename into place, then `latest`."""
+        """Rank 0, after every rank wrote: manifest, rename into place, then `latest`. An OSError on the way
+        undoes the save (`latest` and a same-step checkpoint saved before are put back) and is raised."""
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "files": dict(sorted(files.items()))}
-        if permanent:
-            write_file(self.tmp / PERMANENT, b"")
-        write_file(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-        for sub in {self.tmp, *(p.parent for p in (self.tmp / f for f in files))}:
-            fsync_dir(sub)
-        final = self.root / self.name
-        replaced = None
-        if final.exists():  # the same step saved before (a resumed run passing it again)
-            replaced = self.root / f".replaced-{self.name}"
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.rename(final, replaced)
-        os.rename(self.tmp, final)
-        fsync_dir(self.root)
-        write_text_atomic(self.root / LATEST, self.name + "\n")
-        if replaced is not None:
+        final, latest = self.root / self.name, self.root / LATEST
+        replaced = self.root / f".replaced-{self.name}"
+        before = _read_latest(latest)
+        moved = {"replaced": False, "renamed": False}
+        try:
+            if permanent:
+                write_file(self.tmp / PERMANENT, b"")
+            write_file(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            for sub in {self.tmp, *(p.parent for p in (self.tmp / f for f in files))}:
+                fsync_dir(sub)
+            if final.exists():  # the same step saved before (a resumed run passing it again)
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.rename(final, replaced)
+                moved["replaced"] = True
+            os.rename(self.tmp, final)
+            moved["renamed"] = True
+            fsync_dir(self.root)
+            write_text_atomic(latest, self.name + "\n")
+        except OSError:
+            self._undo(moved, replaced, before)
+            raise
+        if moved["replaced"]:
             shutil.rmtree(replaced, ignore_errors=True)
         return final
+
+    def _undo(self, moved: dict[str, bool], replaced: Path, latest_before: Optional[str]) -> None:
+        """Back to the state before the save, as far as the storage allows (each step best effort: the
+        disk that failed the commit may fail these too, and the original error is the one to report)."""
+        final, latest = self.root / self.name, self.root / LATEST
+        with contextlib.suppress(OSError):
+            if moved["renamed"]:
+                os.rename(final, self.tmp)
+        self.discard()
+        with contextlib.suppress(OSError):
+            if moved["replaced"]:
+                os.rename(replaced, final)
+        with contextlib.suppress(OSError):
+            if _read_latest(latest) != latest_before:  # only when `latest` itself was written
+                if latest_before is None:
+                    latest.unlink()
+                else:
+                    write_text_atomic(latest, latest_before)
+
+
+def _read_latest(path: Path) -> Optional[str]:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
@@ -248,7 +343,11 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     removed = []
     for old in complete[: max(0, len(complete) - keep_last)]:
         if not old.permanent:
-            shutil.rmtree(old.path)
+            # Renamed first (atomic), then deleted: a kill during the deletion leaves a dot-directory the
+            # next save removes, never a `step_N` with some of its files gone.
+            doomed = old.path.with_name(f".pruned-{old.path.name}")
+            os.rename(old.path, doomed)
+            shutil.rmtree(doomed)
             removed.append(old.path)
     return removed
 
