@@ -34,46 +34,90 @@ def rewrite_data_argument(args: list[str], recipes: Path = RECIPES) -> list[str]
     return out
 
 
-def _fail(message: str) -> None:
+# Exit statuses (README "Exit codes"): 0 trained, or stopped on request with a checkpoint to resume from;
+# 1 an unexpected error (a bug: traceback); 2 refused before training (bad setting or input, run.dir in
+# use or not writable); 3 training diverged (non-finite steps beyond train.max_skipped_steps, or
+# non-finite weights at a save); 4 a checkpoint could not be written (full disk, I/O error); 128 + N
+# ended by signal N outside the training loop (130 SIGINT, 143 SIGTERM), or 130 after Ctrl-C in it.
+EXIT_REFUSED, EXIT_DIVERGED, EXIT_CHECKPOINT_WRITE = 2, 3, 4
+
+
+def _fail(message: str, status: int = EXIT_REFUSED) -> None:
     print(f"grt-train: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
+
+
+def _record(cfg: DictConfig) -> dict:
+    """What hydra would have written into `.hydra/` (its own writer is off: it wrote before any check)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    return {"config_yaml": OmegaConf.to_yaml(cfg), "overrides": list(HydraConfig.get().overrides.task)}
 
 
 @hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
-    from grt_megatron.checkpoint import CheckpointError
+    from grt_megatron.checkpoint import CheckpointError, CheckpointWriteError
     from grt_megatron.data import DataError
     from grt_megatron.model import ConfigError
     from grt_megatron.training.config import build_run_config
+    from grt_megatron.training.signals import exit_code_after_stop
+    from grt_megatron.training.step_guard import TrainingDiverged
     from grt_megatron.training.trainer import run_training
 
     try:
         run_cfg = build_run_config(cfg)
-        result = run_training(run_cfg)
+        result = run_training(run_cfg, _record(cfg))
+    except CheckpointWriteError as err:
+        _fail(str(err), EXIT_CHECKPOINT_WRITE)
+        return
+    except TrainingDiverged as err:
+        _fail(str(err), EXIT_DIVERGED)
+        return
     except (ConfigError, DataError, CheckpointError) as err:
         _fail(str(err))
         return
-    if int(os.environ.get("RANK", "0")) != 0:  # set by the launcher, or by init_distributed
-        return
+    if int(os.environ.get("RANK", "0")) == 0:  # set by the launcher, or by init_distributed
+        _report(result, run_cfg)
+    status = exit_code_after_stop(result.stopped_by)
+    if status:
+        sys.exit(status)
+
+
+def _report(result, run_cfg) -> None:
+    skipped = f"; {result.skipped_steps} optimizer steps skipped (see skip_reason in metrics.jsonl)" \
+        if result.skipped_steps else ""
     if result.stopped_by:
+        how = "exiting 130" if result.stopped_by == "SIGINT" else "exiting 0"
         print(f"stopped by {result.stopped_by} at step {result.steps}: checkpoint {result.checkpoint} saved; "
-              "exiting 0 (resume=auto continues)")
+              f"{how} (resume=auto continues){skipped}")
+    elif result.start_step >= run_cfg.train.iters:
+        print(f"nothing to do: the run is already at step {result.start_step} of train.iters="
+              f"{run_cfg.train.iters} (raise train.iters to train further)")
     else:
         print(f"done: {result.steps} steps in {result.seconds:.1f} s; final train loss "
               f"{result.final_train_loss:.4f}, valid loss {result.final_valid_loss:.4f}; "
-              f"metrics in {Path(run_cfg.run.dir) / 'metrics.jsonl'}")
+              f"metrics in {Path(run_cfg.run.dir) / 'metrics.jsonl'}{skipped}")
         if result.sample is not None:
             print("sample:\n" + result.sample)
 
 
 def main() -> None:
-    from grt_megatron.console import quiet_known_warnings
+    from grt_megatron.training.signals import Interrupted, raise_on_signals
 
-    if not RECIPES.is_dir():
-        _fail(f"recipes folder {RECIPES} not found; set GRT_RECIPES to the repository's recipes/")
-    quiet_known_warnings()
-    sys.argv = [sys.argv[0], *rewrite_data_argument(sys.argv[1:])]
-    _hydra_main()
+    raise_on_signals()  # first: a signal during imports, data preparation or resume ends with one line
+    try:
+        from grt_megatron.console import quiet_known_warnings
+
+        if not RECIPES.is_dir():
+            _fail(f"recipes folder {RECIPES} not found; set GRT_RECIPES to the repository's recipes/")
+        quiet_known_warnings()
+        sys.argv = [sys.argv[0], *rewrite_data_argument(sys.argv[1:])]
+        _hydra_main()
+    except Interrupted as stop:
+        print(f"grt-train: stopped by {stop.name} during {stop.where}; checkpoints already written are "
+              "complete (resume=auto continues from the newest)", file=sys.stderr)
+        sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

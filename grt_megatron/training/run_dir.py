@@ -1,0 +1,107 @@
+"""Claiming a run directory: one writer at a time, and nothing written before the run is accepted.
+
+    RUN_DIR/.grt-train.lock     an exclusive OS lock (flock) held by global rank 0 while grt-train runs;
+                                its text names the holder (pid, host, start time, command line)
+    RUN_DIR/.hydra/config.yaml  the composed config and the command-line overrides, written once the run
+    RUN_DIR/.hydra/overrides.yaml   is accepted (hydra's own writer is off: it wrote before any check)
+
+The lock dies with its process (a killed run never leaves a stale lock). Only rank 0 takes it, so that on
+a filesystem shared by many nodes one job is one holder. flock works across nodes on NFSv4 and on Lustre
+mounted with `-o flock`; on a filesystem without it taking the lock fails and the run is refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from grt_megatron.model import ConfigError
+
+LOCK_FILE = ".grt-train.lock"
+
+
+def _holder_text(path: Path) -> str:
+    try:
+        holder = json.loads(path.read_text())
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has just started"
+
+
+class RunLock:
+    """An exclusive, non-blocking flock on `RUN_DIR/.grt-train.lock` for the life of this process."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise ConfigError(f"run.dir={str(self.run_dir)!r} is not writable ({os.strerror(err.errno)})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ConfigError(f"run.dir={str(self.run_dir)!r} is in use by another grt-train "
+                                  f"({_holder_text(self.path)}): wait for it to end, or choose another run.dir"
+                                  ) from None
+            raise ConfigError(f"run.dir={str(self.run_dir)!r}: cannot lock {self.path.name} "
+                              f"({os.strerror(err.errno)}; the filesystem must support flock)") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def claim_run_dir(run_dir: Path, resume: Optional[str], config_yaml: Optional[str],
+                  overrides: Optional[list[str]]) -> RunLock:
+    """Rank 0, before anything else touches `run_dir`: create it, lock it, refuse a second run in it, and
+    only then record the run's config. Raises ConfigError (one line) and writes nothing on refusal (the
+    lock file aside, which holds no run's data)."""
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"run.dir={str(run_dir)!r} cannot be created ({os.strerror(err.errno)})") from None
+    lock = RunLock(run_dir)
+    lock.acquire()
+    try:
+        if (run_dir / "metrics.jsonl").exists() and resume is None:
+            raise ConfigError(f"run.dir={str(run_dir)!r} already holds a run (metrics.jsonl): pass resume=auto "
+                              "to continue it, or choose a new run.dir")
+        try:
+            if config_yaml is not None:
+                _write_atomic(run_dir / ".hydra" / "config.yaml", config_yaml)
+            if overrides is not None:
+                _write_atomic(run_dir / ".hydra" / "overrides.yaml",
+                              "".join(f"- {json.dumps(o)}\n" for o in overrides))
+        except OSError as err:
+            raise ConfigError(f"run.dir={str(run_dir)!r} is not writable ({os.strerror(err.errno)})") from None
+    except BaseException:
+        lock.release()
+        raise
+    return lock

@@ -1,0 +1,143 @@
+"""One writer per run directory, nothing written before a run is accepted, signals at any moment end
+with one line and a documented status, and a finished run resumed says so."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import REPO, SHAKESPEARE, read_jsonl, run_cli
+
+QUIET = ["logging.wandb=disabled", "logging.progress=false"]
+
+
+def _args(prefix, iters, extra=()):
+    return ["model=tiny", f"data={prefix}", f"train.iters={iters}", f"train.eval_interval={iters}",
+            "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_iters=1", *QUIET, *extra]
+
+
+def _start(args):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return subprocess.Popen([sys.executable, "-m", "grt_megatron.training.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _errors(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("grt-train: ")]
+
+
+def _wait_for(predicate, proc, timeout=120):
+    start = time.perf_counter()
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.perf_counter() - start < timeout
+        time.sleep(0.01)
+
+
+def test_two_runs_started_at_once_one_is_refused_naming_the_holder(pydoc_prefix, tmp_path):
+    run_dir = tmp_path / "run"
+    procs = [_start([*_args(pydoc_prefix[0], 12, [f"seed={seed}"]), f"run.dir={run_dir}"]) for seed in (1, 2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], [o[1][-2000:] for o in outs]
+    winner, loser = (0, 1) if procs[0].returncode == 0 else (1, 0)
+    (error,) = _errors(outs[loser][1])
+    assert "is in use by another grt-train (pid " in error and f"pid {procs[winner].pid} on " in error, error
+    assert "Traceback" not in outs[loser][1]
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "split" not in r]
+    assert steps == list(range(1, 13))  # one writer: every step once
+    seed = (1, 2)[winner]
+    assert json.loads((run_dir / "run_info.json").read_text())["config"]["seed"] == seed
+    assert yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["seed"] == seed
+    assert f"seed={seed}" in yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
+
+
+def test_refused_run_leaves_the_old_record_alone_and_finished_resume_says_so(pydoc_prefix, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*_args(pydoc_prefix[0], 2, ["seed=1"]), f"run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = {name: (run_dir / ".hydra" / name).read_text() for name in ("config.yaml", "overrides.yaml")}
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    assert not (run_dir / "grt-train.log").exists()  # hydra writes nothing into run.dir itself
+
+    again = run_cli([*_args(pydoc_prefix[0], 2, ["seed=2"]), f"run.dir={run_dir}"])
+    assert again.returncode == 2 and "already holds a run" in _errors(again.stderr)[0]
+    assert {name: (run_dir / ".hydra" / name).read_text() for name in record} == record
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+
+    finished = run_cli([*_args(pydoc_prefix[0], 2, ["seed=1", "resume=auto"]), f"run.dir={run_dir}"])
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "nothing to do: the run is already at step 2 of train.iters=2" in finished.stdout
+    assert "nan" not in finished.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+
+
+def test_settings_refused_before_anything_is_written(tmp_path):
+    for bad in ("train.lr=-1", "train.beta2=1.0", "model.hidden_size=-128"):
+        proc = run_cli(["model=tiny", "train.iters=2", f"run.dir={tmp_path / 'run'}", *QUIET, bad])
+        assert proc.returncode == 2 and len(_errors(proc.stderr)) == 1, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_warmup_longer_than_the_run_is_a_warning(pydoc_prefix, tmp_path):
+    proc = run_cli([*_args(pydoc_prefix[0], 2, ["train.warmup_iters=50", "train.lr=1e-3"]), f"run.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warning: train.warmup_iters=50 > train.iters=2: the learning rate never reaches train.lr=0.001 " \
+           "(it ends at 4e-05)" in proc.stderr
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    target = tmp_path / "ro"
+    target.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(target)], capture_output=True,
+                           text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {mount.stderr.strip()}")
+    yield target
+    subprocess.run(["umount", str(target)], check=True)
+
+
+def test_read_only_run_dir_is_one_line(read_only_dir):
+    for run_dir, needle in ((read_only_dir, "is not writable (Read-only file system)"),
+                            (read_only_dir / "new", "cannot be created (Read-only file system)")):
+        proc = run_cli(["model=tiny", "train.iters=2", f"run.dir={run_dir}", *QUIET])
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        (error,) = _errors(proc.stderr)
+        assert needle in error and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_during_data_preparation_stops_with_one_line(tmp_path, sig):
+    """Before the loop (here: while rank 0 trains the run's tokenizer on a raw corpus) a signal ends the
+    run at once with 128 + N, one line, and nothing half-written under data/."""
+    run_dir = tmp_path / "run"
+    proc = _start(["model=tiny", f"data={SHAKESPEARE}", "data.vocab_size=4096", "train.iters=2",
+                   f"run.dir={run_dir}", *QUIET])
+    _wait_for(lambda: (run_dir / ".grt-train.lock").exists(), proc)
+    time.sleep(0.3)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    (line,) = _errors(stderr)
+    assert f"stopped by {signal.Signals(sig).name} during set-up" in line and "Traceback" not in stderr
+    assert not (run_dir / "metrics.jsonl").exists()
+    leftovers = [p.name for p in (run_dir / "data").glob("*")] if (run_dir / "data").exists() else []
+    assert not [name for name in leftovers if "tmp" in name or name.startswith("corpus")], leftovers
+
+
+def test_ctrl_c_in_the_loop_saves_and_exits_130(pydoc_prefix, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start([*_args(pydoc_prefix[0], 200, ["data.train_samples=1600"]), f"run.dir={run_dir}"])
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_jsonl(run_dir / "metrics.jsonl")) >= 2, proc)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "stopped by SIGINT at step" in stdout and "exiting 130" in stdout
+    step = max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl"))
+    assert (run_dir / "checkpoints" / f"step_{step:08d}" / "manifest.json").is_file()
