@@ -68,6 +68,11 @@ class Run:
         return self.valid[-1][1]
 
 
+def _number(value) -> float:
+    """A metric as a float: metrics.jsonl writes a non-finite value as null (its text under `nonfinite`)."""
+    return math.nan if value is None else float(value)
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -116,21 +121,21 @@ def load_run(path: Path) -> Optional[Run]:
     for r in records:
         split = r.get("split", "train")
         if split == "train" and "loss" in r:
-            train.append((int(r["tokens"]), float(r["loss"])))
+            train.append((int(r["tokens"]), _number(r["loss"])))
             tokens_per_step = tokens_per_step or int(r["tokens"]) // int(r["step"])
             if "flops_per_token" in r:
                 executed.append(float(r["flops_per_token"]))
             elif r.get("tokens_per_s"):
                 executed.append(float(r["flops_per_s"]) / float(r["tokens_per_s"]))
         elif split == "valid":
-            valid.append((int(r["step"]), float(r["loss"])))
-            diagnostics = {k: float(v) for k, v in r.items()
+            valid.append((int(r["step"]), _number(r["loss"])))
+            diagnostics = {k: _number(v) for k, v in r.items()
                            if k.startswith(("gate_mean_r", "relative_update_r", "active_fraction_r"))}
             for k, v in r.items():
                 if k.startswith("loss_") and k.endswith("_routing"):
-                    other_routing[k] = min(float(v), other_routing.get(k, math.inf))
+                    other_routing[k] = min(_number(v), other_routing.get(k, math.inf))
         elif split == "depth_sweep":
-            sweep[int(r["recurrences"])] = float(r["loss"])
+            sweep[int(r["recurrences"])] = _number(r["loss"])
     if not valid:
         return None
     tokens_per_step = tokens_per_step or 0

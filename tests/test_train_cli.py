@@ -99,6 +99,12 @@ def test_bf16_dense_deepspeed_optimizer_and_offline_wandb(tmp_path):
     (["data=indexed", "data.prefixes=[/no/such/prefix]"], "/no/such/prefix.idx not found"),
     (["model.gate=lstm"], "model.gate='lstm' is not one of mlp, none"),
     (["train.global_batch_size=12", "train.micro_batch_size=8"], "train.global_batch_size=12 is not a multiple"),
+    (["train.lr=-1"], "train.lr=-1.0 is not valid: it must be a finite number > 0"),
+    (["train.lr=nan"], "train.lr=nan is not valid"),
+    (["train.beta1=1.5"], "train.beta1=1.5 is not valid: it must be in [0, 1)"),
+    (["train.grad_clip=-1"], "train.grad_clip=-1.0 is not valid: it must be a finite number >= 0 (0 or null: no"),
+    (["model.hidden_size=-128"], "model.hidden_size must be >= 1, got -128"),
+    (["train.skip_loss_spikes=true"], "train.skip_loss_spikes=true needs train.loss_spike_factor"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, args, needle):
     proc = run_cli(["model=tiny", "train.iters=2", f"run.dir={tmp_path / 'run'}", *QUIET, *args])

@@ -129,9 +129,23 @@ class GRTConfig(TransformerConfig):
         for name in ("prelude_layers", "coda_layers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("core_layers", "recurrences", "vocab_size", "max_sequence_length", "heavy_tail_k"):
+        for name in ("hidden_size", "num_attention_heads", "core_layers", "recurrences", "vocab_size",
+                     "max_sequence_length", "heavy_tail_k"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            raise ConfigError(f"model.ffn_hidden_size must be >= 1, got {self.ffn_hidden_size}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("init_method_std", "layernorm_epsilon", "heavy_tail_sigma"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.initial_state_std) and self.initial_state_std >= 0):
+            raise ConfigError(f"model.initial_state_std must be a finite number >= 0, got {self.initial_state_std}")
+        for name in ("gate_bias_init", "noise_sigma", "gate_temperature"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"model.{name} must be finite, got {getattr(self, name)}")
         if self.noise_sigma < 0:
             raise ConfigError(f"model.noise_sigma must be >= 0, got {self.noise_sigma}")
         if self.gate_temperature <= 0:

@@ -6,6 +6,9 @@ dataclass here, so a misspelt or mistyped key fails before anything is built, na
 
 from __future__ import annotations
 
+import math
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -49,7 +52,19 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     adam_eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: Optional[float] = 1.0
+    """Clip the global gradient norm to this; 0 or null: no clipping (the norm is still measured and
+    logged). The same in every layout."""
+    max_skipped_steps: int = 5
+    """Optimizer steps with a non-finite loss or gradient norm are skipped (no update, logged with
+    `skipped: true`); more than this many in a row stop the run with exit status 3."""
+    loss_spike_factor: Optional[float] = None
+    """A step whose loss is above this × the median of the last `loss_spike_window` losses is a spike:
+    logged (`loss_spike: true`), and skipped with `skip_loss_spikes`. None: no spike detection."""
+    loss_spike_window: int = 100
+    skip_loss_spikes: bool = False
+    inject_nan_at: list[int] = field(default_factory=list)
+    """Testing the skip policy: these steps' losses are made NaN before their backward."""
     precision: str = "bf16"
     tf32: bool = True
     """On Ampere and later GPUs, fp32 matmuls use TF32 tensor cores (10-bit mantissa products, fp32
@@ -226,6 +241,48 @@ _CHOICES = {
 }
 
 
+def _finite(value: float, low: float, high: float = math.inf, low_open: bool = False,
+            high_open: bool = False) -> bool:
+    if not math.isfinite(value):
+        return False
+    return (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+
+
+def check_optimizer_settings(t: TrainConfig, pp: int) -> None:
+    """Learning rate, Adam, clipping, skip policy: refused with one line before any data or model work
+    (torch would refuse some with a traceback at the optimizer's construction, others never)."""
+    checks = [
+        ("lr", t.lr, _finite(t.lr, 0, low_open=True), "a finite number > 0"),
+        ("min_lr", t.min_lr, _finite(t.min_lr, 0), "a finite number >= 0"),
+        ("beta1", t.beta1, _finite(t.beta1, 0, 1, high_open=True), "in [0, 1)"),
+        ("beta2", t.beta2, _finite(t.beta2, 0, 1, high_open=True), "in [0, 1)"),
+        ("adam_eps", t.adam_eps, _finite(t.adam_eps, 0, low_open=True), "a finite number > 0"),
+        ("weight_decay", t.weight_decay, _finite(t.weight_decay, 0), "a finite number >= 0"),
+        ("grad_clip", t.grad_clip, t.grad_clip is None or _finite(t.grad_clip, 0),
+         "a finite number >= 0 (0 or null: no clipping)"),
+        ("warmup_iters", t.warmup_iters, t.warmup_iters >= 0, ">= 0"),
+        ("decay_iters", t.decay_iters, t.decay_iters is None or t.decay_iters >= 1, ">= 1 or null"),
+        ("max_skipped_steps", t.max_skipped_steps, t.max_skipped_steps >= 0, ">= 0"),
+        ("loss_spike_factor", t.loss_spike_factor, t.loss_spike_factor is None or _finite(t.loss_spike_factor, 1,
+                                                                                        low_open=True),
+         "a finite number > 1, or null"),
+        ("loss_spike_window", t.loss_spike_window, t.loss_spike_window >= 10, ">= 10"),
+        ("inject_nan_at", t.inject_nan_at, all(s >= 1 for s in t.inject_nan_at), "a list of steps >= 1"),
+    ]
+    for name, value, ok, wanted in checks:
+        if not ok:
+            raise ConfigError(f"train.{name}={value!r} is not valid: it must be {wanted}")
+    if t.skip_loss_spikes and t.loss_spike_factor is None:
+        raise ConfigError("train.skip_loss_spikes=true needs train.loss_spike_factor (e.g. 3.0)")
+    if pp > 1 and (t.skip_loss_spikes or t.inject_nan_at):
+        raise ConfigError("train.skip_loss_spikes and train.inject_nan_at are not supported with parallel.pp > 1: "
+                          "a pipeline learns its loss only after the optimizer step (non-finite gradient norms "
+                          "are still skipped)")
+    if t.warmup_iters > t.iters and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: train.warmup_iters={t.warmup_iters} > train.iters={t.iters}: the learning rate never "
+              f"reaches train.lr={t.lr:g} (it ends at {t.lr * t.iters / t.warmup_iters:.3g})", file=sys.stderr)
+
+
 def build_run_config(cfg: DictConfig | dict, world_size: Optional[int] = None) -> RunConfig:
     """Validate a composed hydra config against the schema and its layout at `world_size` processes (by
     default the launcher's); errors name the offending key. grt-submit calls this at a job's size."""
@@ -250,6 +307,7 @@ def build_run_config(cfg: DictConfig | dict, world_size: Optional[int] = None) -
     for key in ("iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_interval", "eval_iters"):
         if getattr(t, key) is not None and getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    check_optimizer_settings(t, run.parallel.pp)
     if t.depth_sweep is not None and t.depth_sweep < 0:
         raise ConfigError(f"train.depth_sweep must be >= 0, got {t.depth_sweep}")
     if t.exit_interval is not None and t.exit_interval < 1:

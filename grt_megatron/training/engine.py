@@ -79,7 +79,8 @@ def deepspeed_config(cfg: RunConfig, dp_size: int, clip_in_deepspeed: bool = Tru
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": t.grad_clip if clip_in_deepspeed else 0.0,
+        # DeepSpeed reads 0 as "no clipping", as train.grad_clip does (0 or null).
+        "gradient_clipping": (t.grad_clip or 0.0) if clip_in_deepspeed else 0.0,
         "zero_optimization": {"stage": engine_zero_stage(cfg)},
         "bf16": {"enabled": t.precision == "bf16"},
         "zero_allow_untested_optimizer": True,

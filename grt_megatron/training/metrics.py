@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 from pathlib import Path
@@ -30,6 +31,20 @@ def peak_flops_per_device(precision: str, configured_tflops: Optional[float], tf
         if key in name:
             return tflops * 1e12
     return None
+
+
+def strict_json_record(record: dict[str, Any]) -> dict[str, Any]:
+    """NaN and ±inf are not JSON: they become null, and `nonfinite` lists those fields with their value
+    as text ("nan", "inf", "-inf"), so that every line of metrics.jsonl parses with any JSON reader."""
+    out, nonfinite = {}, {}
+    for key, value in record.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key], nonfinite[key] = None, str(value)
+        else:
+            out[key] = value
+    if nonfinite:
+        out["nonfinite"] = nonfinite
+    return out
 
 
 def wandb_mode(requested: str) -> str:
@@ -62,7 +77,7 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(strict_json_record(record), allow_nan=False) + "\n")
         self._file.flush()
         if self._wandb is not None:
             prefix = record.get("split", "train")

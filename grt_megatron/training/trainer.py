@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -57,6 +58,14 @@ from grt_megatron.training.data import (
 )
 from grt_megatron.training.engine import MegatronMPU, batch_layout, build_engine
 from grt_megatron.training.metrics import MetricsLogger, peak_flops_per_device
+from grt_megatron.training.run_dir import claim_run_dir
+from grt_megatron.training.signals import StopRequests
+from grt_megatron.training.step_guard import (
+    LossSpikeDetector,
+    TrainingDiverged,
+    install_step_guard,
+    weights_are_finite,
+)
 
 
 @dataclass
@@ -70,6 +79,8 @@ class TrainResult:
     stopped_by: Optional[str] = None
     """The signal that ended training early (after a checkpoint), if any."""
     checkpoint: Optional[Path] = None
+    skipped_steps: int = 0
+    """Optimizer steps skipped in this process (non-finite or spiking loss / gradient norm)."""
 
 
 def slurm_job() -> dict:
@@ -109,16 +120,40 @@ def check_resume(saved: dict, cfg: RunConfig, model: dict, announce: bool) -> in
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, record: Optional[dict] = None):
+        """`record`: the composed config (`config_yaml`) and command-line `overrides` to keep in
+        `.hydra/`, written only once the run directory is claimed."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.checkpoint_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        if (self.run_dir / "metrics.jsonl").exists() and cfg.resume is None:
-            raise ConfigError(f"run.dir={str(self.run_dir)!r} already holds a run (metrics.jsonl): pass "
-                              "resume=auto to continue it, or choose a new run.dir")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_minutes,
                                      cfg.train.deterministic)
+        self.lock = self._claim_run_dir(record or {})
+        try:
+            self._build()
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _claim_run_dir(self, record: dict):
+        """Rank 0 locks `run.dir` and checks it before anything is written; every rank gets the verdict."""
+        lock, refusal = None, None
+        if self.info.is_main:
+            try:
+                lock = claim_run_dir(self.run_dir, self.cfg.resume, record.get("config_yaml"),
+                                     record.get("overrides"))
+            except ConfigError as err:
+                refusal = str(err)
+        box = [refusal]
+        if self.info.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise ConfigError(box[0])
+        return lock
+
+    def _build(self) -> None:
+        cfg = self.cfg
         self.tf32 = set_tf32(cfg.train.tf32)
         self.seq_length = cfg.seq_length
         self.resume_path, self.saved = self._select_checkpoint()
@@ -158,6 +193,9 @@ class Trainer:
         self.clip_here = cfg.deepspeed.zero_stage == 0 and cfg.train.precision == "fp32"
         self.engine = build_engine(self.model, cfg, self.info.dp_size, clip_in_deepspeed=not self.clip_here)
         OptimizerState(self.engine)  # an optimizer checkpoints cannot hold is refused now, not at the first save
+        self.step_guard = install_step_guard(self.engine)
+        self.spikes = LossSpikeDetector(cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
+        self.skipped_in_a_row = self.skipped_total = 0
         self.sampler = DepthSampler.from_config(self.model_config, cfg.seed)
         if self.pipelined:
             # The pipeline runs whole micro-batches on every DP rank: evaluation uses the largest such
@@ -179,7 +217,7 @@ class Trainer:
         if self.info.is_main:
             self._write_run_info()
             self.tokenizer.save(self.run_dir / self.tokenizer.file_name)
-        self._stop_signal: Optional[int] = None
+        self.stop_requests = StopRequests()
         self.peak_flops = peak_flops_per_device(cfg.train.precision, cfg.logging.peak_tflops, tf32=self.tf32)
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -220,6 +258,10 @@ class Trainer:
         except CheckpointError as err:
             raise ConfigError(str(err)) from None
         self.start_step = self.last_saved = int(saved["step"])
+        guard = saved.get("step_guard", {})
+        self.spikes.history.extend(guard.get("loss_history", []))
+        self.skipped_in_a_row = int(guard.get("skipped_in_a_row", 0))
+        self.skipped_total = int(guard.get("skipped_total", 0))
         if not loaded["rng_restored"]:
             seed_everything(self.cfg.seed + self.start_step)  # per-rank states do not map onto other ranks
         if self.info.is_main:
@@ -261,7 +303,12 @@ class Trainer:
             "config": c.to_dict(), "model": self.model_config.to_dict(), "model_shape": self.model_config.shape_name,
             "tokenizer": self.tokenizer.describe(), "data_prefixes": self.data.prefixes, "reason": reason,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "step_guard": {"loss_history": list(self.spikes.history), "skipped_in_a_row": self.skipped_in_a_row,
+                           "skipped_total": self.skipped_total},
         }
+        if not weights_are_finite(self.engine):  # collective: every rank checks the weights it owns
+            raise TrainingDiverged(f"step {step}: the weights are not finite; no checkpoint was written (the last "
+                                   f"one, step {self.last_saved}, is kept): resume from it with a lower train.lr")
         permanent = bool(c.checkpoint.keep_every and step % c.checkpoint.keep_every == 0)
         start = time.perf_counter()
         path = save_checkpoint(self.checkpoint_root, step, self.engine, self.pipelined, self.tokenizer, state,
@@ -271,12 +318,9 @@ class Trainer:
             tqdm.write(f"step {step}: saved checkpoint {path} in {time.perf_counter() - start:.2f} s ({reason})")
         return path
 
-    def _on_signal(self, signum, frame) -> None:
-        self._stop_signal = signum
-
     def _stop_requested(self) -> Optional[str]:
         """The signal any rank received (all ranks agree, so they stop at the same step)."""
-        flag = device_tensor([self._stop_signal or 0], dtype=torch.int64)
+        flag = device_tensor([self.stop_requests.signum or 0], dtype=torch.int64)
         if self.info.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return signal.Signals(int(flag.item())).name if flag.item() else None
@@ -338,25 +382,51 @@ class Trainer:
         seeds = sample_noise_seeds(cfg.seed, iteration, range(first_row, first_row + per_rank))
         if self.pipelined:
             batches = self._pipeline_micro_batches(rows, seeds, (draw.recurrences, draw.grad_recurrences))
-            loss = self.engine.train_batch(data_iter=iter(batches))  # mean over micro-batches and DP
-            grad_norm = self.engine.get_global_grad_norm()
-            return {**stats, "loss": float(loss), "grad_norm": None if grad_norm is None else float(grad_norm)}
+            loss = float(self.engine.train_batch(data_iter=iter(batches)))  # mean over micro-batches and DP
+            reason = self.spikes.check(loss)  # known only after the step: logged, and skipped if non-finite
+            return {**stats, "loss": loss, **self._step_outcome(None, reason)}
         total = device_zeros(dtype=torch.float32)
-        grad_norm = None
-        for start in range(0, per_rank, self.micro_batch):
+        grad_norm, reason, mean_loss = None, None, float("nan")
+        for index, start in enumerate(range(0, per_rank, self.micro_batch)):
             tokens, labels = self._to_device(rows[start : start + self.micro_batch])
             loss = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences,
                                seeds[start : start + self.micro_batch]).mean()
+            total += loss.detach().float()
+            if index == self.accumulation - 1:
+                # The step's loss is known before the last backward: a step to skip gets non-finite
+                # gradients, which every layout's optimizer path then drops (step_guard.py).
+                mean_loss = self._dp_mean(total / self.accumulation)
+                reason = self.spikes.check(mean_loss)
+                if iteration + 1 in cfg.train.inject_nan_at:
+                    reason = "injected NaN (train.inject_nan_at)"
+                if reason is not None and (reason != "loss spike" or cfg.train.skip_loss_spikes):
+                    loss = loss * float("nan")
             self.engine.backward(loss)
             if self.clip_here and self.engine.is_gradient_accumulation_boundary():
+                # max_norm inf measures the norm and leaves the gradients as they are (clipping off).
                 grad_norm = float(clip_grad_norm_(list(self.engine.module.parameters()),
-                                                  cfg.train.grad_clip, mpu=MegatronMPU()))
+                                                  cfg.train.grad_clip or math.inf, mpu=MegatronMPU()))
             self.engine.step()
-            total += loss.detach().float()
+        return {**stats, "loss": mean_loss, **self._step_outcome(grad_norm, reason)}
+
+    def _step_outcome(self, grad_norm: Optional[float], reason: Optional[str]) -> dict:
+        """Grad norm and whether (and why) the optimizer step was skipped; counts skips."""
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
-        return {**stats, "loss": self._dp_mean(total / self.accumulation),
-                "grad_norm": None if grad_norm is None else float(grad_norm)}
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        out = {"grad_norm": grad_norm}
+        skipped = not self.engine.was_step_applied()
+        if reason == "loss spike":
+            out["loss_spike"] = True
+        if skipped:
+            self.skipped_total += 1
+            out["skipped"] = True
+            out["skip_reason"] = reason or "non-finite grad norm"
+        # A pipeline learns its loss after the step: a non-finite one counts as a bad step even if the
+        # gradients were finite and the step was taken.
+        bad = skipped or reason == "non-finite loss"
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if bad else 0
+        return out
 
     def evaluate_other_mor_routing(self) -> dict[str, float]:
         """MoR: the validation loss under the evaluation routing the run does not report as `loss`
@@ -415,17 +485,22 @@ class Trainer:
         progress = tqdm(range(self.start_step, cfg.train.iters), desc="train", unit="step", dynamic_ncols=True,
                         initial=self.start_step, total=cfg.train.iters,
                         disable=not (self.info.is_main and cfg.logging.progress))
-        # SIGUSR1 (SLURM's warning before the time limit) and SIGTERM (preemption): finish the step,
-        # save, and return so that the process exits 0 and the scheduler can requeue it.
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+        # SIGUSR1 (SLURM's warning before the time limit), SIGTERM (preemption) and Ctrl-C: finish the
+        # step, save, and return (signals.py has the exit codes).
         loss, valid, stopped_by, checkpoint = float("nan"), float("nan"), None, None
-        try:
+        with self.stop_requests.installed():
             for iteration in progress:
                 step = iteration + 1
                 loss, valid = self._run_step(iteration, tokens_per_step, progress, valid)
+                self._check_skipped(step, loss)
                 every = cfg.checkpoint.interval
                 if every and step % every == 0:
-                    checkpoint = self.save(step, "interval")
+                    if self.skipped_in_a_row:  # keep the checkpoints from before the streak
+                        if self.info.is_main:
+                            progress.write(f"step {step}: interval checkpoint deferred: {self.skipped_in_a_row} "
+                                           "skipped steps in a row")
+                    else:
+                        checkpoint = self.save(step, "interval")
                 stopped_by = self._stop_requested()
                 exit_every = cfg.train.exit_interval
                 if not stopped_by and exit_every and step % exit_every == 0 and step < cfg.train.iters:
@@ -436,9 +511,6 @@ class Trainer:
                     break
             if not stopped_by and cfg.checkpoint.save_at_end and self.last_saved != cfg.train.iters:
                 checkpoint = self.save(cfg.train.iters, "end")
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
         seconds = time.perf_counter() - start
         if not stopped_by and self.last_step == cfg.train.iters and self.start_step < cfg.train.iters:
             self.depth_sweep()
@@ -446,7 +518,17 @@ class Trainer:
         if cfg.train.sample_tokens > 0 and not self.pipelined and not stopped_by:
             sample = sample_text(self.engine.module, self.tokenizer, cfg.train.sample_prompt,
                                  cfg.train.sample_tokens, seed=cfg.seed, device=self.info.device)
-        return TrainResult(loss, valid, self.last_step, seconds, sample, self.start_step, stopped_by, checkpoint)
+        return TrainResult(loss, valid, self.last_step, seconds, sample, self.start_step, stopped_by, checkpoint,
+                           self.skipped_total)
+
+    def _check_skipped(self, step: int, loss: float) -> None:
+        limit = self.cfg.train.max_skipped_steps
+        if self.skipped_in_a_row > limit:
+            last = f"step {self.last_saved}" if self.last_saved else "none yet"
+            raise TrainingDiverged(
+                f"step {step}: {self.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm "
+                f"(loss {loss}) and were skipped, more than train.max_skipped_steps={limit}; stopping. The last "
+                f"checkpoint ({last}) holds finite weights: resume from it with a lower train.lr")
 
     def _run_step(self, iteration: int, tokens_per_step: int, progress, valid: float) -> tuple[float, float]:
         cfg = self.cfg
@@ -470,7 +552,13 @@ class Trainer:
         }
         if self.peak_flops:  # model FLOPs (executed R) over the peak of every device in the world
             record["mfu"] = record["flops_per_s"] / (self.peak_flops * self.info.world_size)
-        if step % cfg.train.log_interval == 0 or step == cfg.train.iters:
+        record.update({key: stats[key] for key in ("loss_spike", "skipped", "skip_reason") if key in stats})
+        if "skipped" in stats:
+            record["skipped_steps"] = self.skipped_total
+            if self.info.is_main:
+                progress.write(f"step {step}: optimizer step skipped ({stats['skip_reason']}; loss {loss}, "
+                               f"grad norm {stats['grad_norm']}); {self.skipped_in_a_row} in a row")
+        if step % cfg.train.log_interval == 0 or step == cfg.train.iters or "skipped" in stats:
             self.logger.log(record)
         postfix = {"loss": f"{loss:.3f}", "R": stats["recurrences"], "tok/s": f"{record['tokens_per_s']:.0f}"}
         if "mfu" in record:
@@ -511,11 +599,14 @@ class Trainer:
 
     def close(self) -> None:
         self.logger.close()
+        if self.lock is not None:
+            self.lock.release()
         destroy_distributed()
 
 
-def run_training(cfg: RunConfig) -> TrainResult:
-    trainer = Trainer(cfg)
+def run_training(cfg: RunConfig, record: Optional[dict] = None) -> TrainResult:
+    """Train `cfg`; `record` is what to keep in `.hydra/` (the CLI's composed config and overrides)."""
+    trainer = Trainer(cfg, record)
     try:
         return trainer.train()
     finally:
