@@ -38,8 +38,11 @@ slurm-deps:
 			$(SLURM_PACKAGES) >/dev/null; }; \
 	else echo "SLURM tests will be skipped: install $(SLURM_PACKAGES) (Debian) as root to run them"; fi
 
+# Two test processes (pytest-xdist), each taking whole files: most tests are subprocesses that spend
+# their time importing torch, megatron-core and DeepSpeed on one core. TEST_WORKERS=1 runs them in one.
+TEST_WORKERS ?= 2
 test: install slurm-deps
-	$(VENV)/bin/python -m pytest tests
+	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache
