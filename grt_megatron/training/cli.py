@@ -4,8 +4,8 @@
               logging.wandb=disabled
 
 `data=` takes a recipe from recipes/data/ or, for convenience, a prepared prefix (rewritten to
-`data=indexed data.prefixes=[PREFIX]`) or a raw corpus: a file or a Hugging Face dataset name
-(rewritten to `data=corpus data.source=...`).
+`data=indexed data.prefixes=[PREFIX]`) or a raw corpus: a file, a directory of text files or a Hugging
+Face dataset name (rewritten to `data=corpus data.source=...`).
 """
 
 from __future__ import annotations
