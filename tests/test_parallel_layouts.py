@@ -2,7 +2,6 @@
 sampling and noise on; dense too). Each layout is one torchrun launch of `grt-train` on gloo."""
 
 import sys
-import time
 
 import pytest
 
@@ -82,24 +81,25 @@ def test_wrong_layout_is_refused_quickly(tmp_path, args, procs, needle):
     if procs > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
                     f"--master_port={next(PORT)}"]
-    start = time.perf_counter()
-    proc = run_cli(["model=tiny", "train.iters=1", f"run.dir={tmp_path}", *QUIET, *args], launcher=launcher)
+    # A layout that slipped through would hang in a collective for parallel.timeout_minutes (5), past
+    # the 240 s given here: refused at start, not after a hang.
+    proc = run_cli(["model=tiny", "train.iters=1", f"run.dir={tmp_path}", "parallel.timeout_minutes=5", *QUIET,
+                    *args], launcher=launcher, timeout=240)
     assert proc.returncode != 0
     assert needle in proc.stderr, proc.stderr[-2000:]
-    assert time.perf_counter() - start < 60  # refused at start, not after a hang
     assert not (tmp_path / "data").exists()  # before any data preparation
 
 
 def test_data_error_on_rank_0_stops_every_rank(tmp_path):
-    """Rank 0 prepares the data; when that fails, the other ranks must fail too, not wait at a barrier."""
-    start = time.perf_counter()
+    """Rank 0 prepares the data; when that fails, the other ranks must fail too, not wait at a barrier.
+    A rank left waiting would sit in a collective for parallel.timeout_minutes (5 here), past the 240 s
+    this test gives the launch (no wall-clock bound on the normal case, which a busy machine can slow)."""
     proc = run_cli(["model=tiny", "data=/no/such/corpus.txt", "train.iters=1", "train.micro_batch_size=8",
-                    f"run.dir={tmp_path}", *QUIET],
+                    "parallel.timeout_minutes=5", f"run.dir={tmp_path}", *QUIET],
                    launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             f"--master_port={next(PORT)}"], timeout=120)
+                             f"--master_port={next(PORT)}"], timeout=240)
     assert proc.returncode != 0
     assert proc.stderr.count("grt-train: error: input '/no/such/corpus.txt': no such file") == 2
-    assert time.perf_counter() - start < 60
 
 
 def test_srun_style_launch_without_torchrun(references, pydoc_prefix, tmp_path):
