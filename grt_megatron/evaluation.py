@@ -125,11 +125,15 @@ def plot(by_r: dict[int, dict], path: Path, names: list[str]) -> None:
 
     rs = sorted(by_r)
     tasks = [t for t in names if t in metrics(by_r[rs[0]])] or list(metrics(by_r[rs[0]]))
+    trained = by_r[rs[0]]["grt"]["trained_recurrences"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.2), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         metric = main_metric(by_r[rs[0]], task, metrics(by_r[rs[0]])[task])
         points = [metrics(by_r[r])[task][metric] for r in rs]
         ax.errorbar(rs, [v for v, _ in points], yerr=[s or 0.0 for _, s in points], marker="o", capsize=3)
+        if trained:
+            ax.axvline(trained, color="0.6", ls="--", lw=1, label=f"trained R={trained}")
+            ax.legend(fontsize=8)
         ax.set(title=task, xlabel="recurrences R", ylabel=metric, xticks=rs)
         ax.grid(alpha=0.3)
     fig.tight_layout()
