@@ -1,6 +1,7 @@
 """Text from a model: plain sampling from a training model (no KV cache), and `grt-generate`.
 
     grt-generate --checkpoint runs/a/checkpoints/step_00000300 --prompt "def main" --max-new-tokens 40 --greedy
+    grt-generate --checkpoint runs/a --prompt "def main"     # a run directory: its newest complete checkpoint
     grt-generate --hf hf/grt-tiny --prompt "def main" --max-new-tokens 40 --greedy [--num-recurrences 8]
 
 `--checkpoint` runs grt-megatron's own model (any layout's checkpoint, merged into one process);
@@ -49,12 +50,16 @@ def sample_text(model, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, s
 
 def _from_checkpoint(args) -> str:
     from grt_megatron.checkpoint.consolidate import consolidate
-    from grt_megatron.checkpoint.store import inspect_checkpoint
+    from grt_megatron.checkpoint.store import checkpoint_dir, inspect_checkpoint
     from grt_megatron.data.tokenizer import load_tokenizer
     from grt_megatron.distributed import destroy_distributed, init_distributed
     from grt_megatron.model import GRTConfig, GRTLanguageModel
 
-    path = Path(args.checkpoint)
+    path, skipped = checkpoint_dir(args.checkpoint)  # a run directory: its newest complete checkpoint
+    for s in skipped:
+        print(f"grt-generate: skipping {s.path} ({s.problem})", file=sys.stderr)
+    if path != Path(args.checkpoint):
+        print(f"grt-generate: using {path}", file=sys.stderr)
     tensors, _ = consolidate(path, progress=False)
     state = inspect_checkpoint(path).state
     init_distributed(seed=args.seed)
@@ -89,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="grt-generate", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="a training checkpoint directory (step_N)")
+    source.add_argument("--checkpoint", help="a training checkpoint directory (step_N), or a run "
+                        "directory (its newest complete checkpoint)")
     source.add_argument("--hf", help="an exported Hugging Face folder")
     parser.add_argument("--prompt", default="")
     parser.add_argument("--max-new-tokens", type=int, default=64)

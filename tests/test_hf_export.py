@@ -106,7 +106,8 @@ def test_recurrence_override_adaptive_exit_and_averaged_cache(exported):
 
 
 def test_folder_alone_loads_without_the_project(exported, tmp_path):
-    """Copied elsewhere, with `grt_megatron` unimportable: AutoModel/AutoTokenizer, pipeline, bf16."""
+    """Copied elsewhere, with `grt_megatron` unimportable: AutoModel/AutoTokenizer (decoding keeps `</s>`),
+    pipeline, bf16."""
     folder = tmp_path / "copy"
     shutil.copytree(exported["pp2"], folder)
     script = f"""
@@ -117,7 +118,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 tok = AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
 text = "def main():\\n    return 1"
-assert tok.decode(tok.encode(text)) == text
+ids, eos = tok.encode(text), tok.eos_token_id
+assert tok.decode(ids) == text
+# Special tokens are kept unless skip_special_tokens=True (sentencepiece alone would drop </s>).
+assert tok.decode(ids + [eos] + ids, skip_special_tokens=False) == text + "</s>" + text
+assert tok.decode(ids + [eos] + ids) == text + "</s>" + text
+assert tok.decode(ids + [eos] + ids, skip_special_tokens=True) == text + " " + text
 out = pipeline("text-generation", model=model, tokenizer=tok)(text, max_new_tokens=5, do_sample=False)
 assert out[0]["generated_text"].startswith(text), out
 bf16 = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.bfloat16)
@@ -173,11 +179,14 @@ def test_grt_generate_gives_the_same_tokens_from_checkpoint_and_export(trained, 
                                "--max-new-tokens", "16", "--greedy"], cwd=REPO, capture_output=True, text=True,
                               timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout
+        return proc
 
-    from_checkpoint = generate("--checkpoint", str(trained["tp2"]))
-    assert from_checkpoint == generate("--hf", str(exported["tp2"]))
+    from_checkpoint = generate("--checkpoint", str(trained["tp2"])).stdout
+    assert from_checkpoint == generate("--hf", str(exported["tp2"])).stdout
     assert from_checkpoint.startswith("def main") and len(set(from_checkpoint)) > 5
+    # A run directory, as resume= takes it: its newest complete checkpoint, named on stderr.
+    from_run = generate("--checkpoint", str(trained["tp2"].parents[1]))
+    assert from_run.stdout == from_checkpoint and f"grt-generate: using {trained['tp2']}\n" in from_run.stderr
     proc = subprocess.run([sys.executable, "-m", "grt_megatron.hf.convert", "--checkpoint", str(REPO),
                            "--output", str(exported["tp2"].parent / "x")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "grt-convert-hf: error:" in proc.stderr

@@ -10,7 +10,7 @@ _EXPORTS = {
     "compare_configs": "compat", "compare_models": "compat",
     "CheckpointError": "store", "CheckpointWriteError": "store", "CheckpointInfo": "store",
     "inspect_checkpoint": "store", "list_checkpoints": "store", "resolve_checkpoint": "store",
-    "supersede_newer": "store",
+    "checkpoint_dir": "store", "supersede_newer": "store",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -230,24 +230,38 @@ def newest_complete(root: Path) -> tuple[Optional[CheckpointInfo], list[Checkpoi
     return None, skipped
 
 
-def resolve_checkpoint(spec: str, default_root: Path) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
+def resolve_checkpoint(spec: str, default_root: Path, option: str = "resume=") \
+        -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
     """`auto` (newest complete under `default_root`, None if there is none) or a path: a checkpoint
-    directory, or a run / checkpoints directory (its newest complete checkpoint)."""
+    directory, or a run / checkpoints directory (its newest complete checkpoint). Errors name the
+    setting as `{option}{spec}` (`resume=...`, or a CLI flag such as `--checkpoint `)."""
     if spec == "auto":
         return newest_complete(default_root)
     path = Path(spec)
     if not path.exists():
-        raise CheckpointError(f"resume={spec}: no such file or directory")
+        raise CheckpointError(f"{option}{spec}: no such file or directory")
     if (path / MANIFEST).exists() or path.is_file() or _STEP_DIR.match(path.name):
         info = inspect_checkpoint(path, verify_hashes=True)
         if not info.complete:
-            raise CheckpointError(f"resume={spec}: {info.problem}")
+            raise CheckpointError(f"{option}{spec}: {info.problem}")
         return info, []
     found, skipped = newest_complete(checkpoint_root_of(path))
     if found is None:
-        raise CheckpointError(f"resume={spec}: no complete checkpoint in {checkpoint_root_of(path)}"
+        raise CheckpointError(f"{option}{spec}: no complete checkpoint in {checkpoint_root_of(path)}"
                               + "".join(f"\n  skipped {s.path.name}: {s.problem}" for s in skipped))
     return found, skipped
+
+
+def checkpoint_dir(spec: str, option: str = "--checkpoint ") -> tuple[Path, list[CheckpointInfo]]:
+    """A command's `--checkpoint`: a checkpoint directory as given (whoever reads it verifies its files),
+    or a run / checkpoints directory's newest complete checkpoint, with the newer ones skipped (and why)."""
+    path = Path(spec)
+    if path.exists() and ((path / MANIFEST).exists() or path.is_file() or _STEP_DIR.match(path.name)):
+        return path, []
+    found, skipped = resolve_checkpoint(str(path), path, option)
+    if found is None:
+        raise CheckpointError(f"{option}{spec}: no complete checkpoint in {checkpoint_root_of(path)}")
+    return found.path, skipped
 
 
 # ---- writing ---------------------------------------------------------------------------------------------
