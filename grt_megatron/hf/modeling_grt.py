@@ -13,7 +13,7 @@ grt-megatron's `recurrent_block.py`:
 The K/V cache has a slot per layer *execution*: prelude layers, each core layer at each recurrence, coda
 layers; sharing one slot across recurrences would let later recurrences overwrite earlier ones. With
 `kv_cache="average"` the core keeps one slot per core layer holding the mean K/V over recurrences (smaller,
-approximate for past tokens).
+approximate for past tokens). A cache is laid out for one depth: reusing it with another R is refused.
 
 `output_hidden_states=True` gives one tensor per layer execution *boundary*, 1 + P + R + C of them: the
 embeddings (tokens + learned positions), each prelude layer's output, the state h_r after each recurrence
@@ -38,6 +38,8 @@ from .configuration_grt import GRTConfig
 logger = logging.get_logger(__name__)
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
 KV_CACHES = ("per_recurrence", "average")
+# Per-call settings that also live in the generation config (generation_config.json of an export).
+GENERATION_OPTIONS = ("num_recurrences", "kv_cache", "exit_threshold")
 
 
 def _norm(config: GRTConfig) -> nn.Module:
@@ -54,12 +56,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RecurrentKVCache(DynamicCache):
     """A DynamicCache whose layer index is a slot (see `GRTModel.slot`); slots are created on first use.
     `average`: core slots hold the mean K/V over recurrences; a chunk's K/V are summed in `pending`
-    while its recurrences run and committed once they are done."""
+    while its recurrences run and committed once they are done. Its first forward fixes `recurrences`
+    and `average`: with another depth the slots would hold other layer executions' K/V."""
 
-    def __init__(self, average: bool = False):
+    def __init__(self, average: bool = False, recurrences: Optional[int] = None):
         super().__init__()
         self.average = average
+        self.recurrences = recurrences
         self.pending: dict[int, list] = {}
+
+    def bind(self, recurrences: int, average: bool) -> None:
+        if self.recurrences is None:
+            self.recurrences, self.average = recurrences, average
+        elif (self.recurrences, self.average) != (recurrences, average):
+            built, now = (f"num_recurrences={r}, kv_cache={KV_CACHES[a]!r}"
+                          for r, a in ((self.recurrences, self.average), (recurrences, average)))
+            raise ValueError(f"this cache was built with {built} but this call runs {now}: its slots hold the K/V "
+                             "of one depth's layer executions; pass the same settings, or start without a cache")
 
     def past(self, slot: int):
         if slot < len(self.layers) and getattr(self.layers[slot], "keys", None) is not None \
@@ -256,7 +269,9 @@ class GRTModel(GRTPreTrainedModel):
         if not use_cache:
             cache = None
         elif cache is None:
-            cache = RecurrentKVCache(average=average)
+            cache = RecurrentKVCache()
+        if cache is not None:
+            cache.bind(recurrences, average)
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, s = h.shape[:2]
         past = cache.get_seq_length() if cache is not None else 0
@@ -266,6 +281,10 @@ class GRTModel(GRTPreTrainedModel):
         if position_ids is None:  # left padding: positions count real tokens only
             position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, -s:]
         if self.embed_positions is not None:
+            limit = cfg.max_position_embeddings
+            if past + s > limit and int(position_ids.max()) >= limit:  # the embedding would raise IndexError
+                raise ValueError(f"position {int(position_ids.max())} is past the {limit} learned positions of this "
+                                 "model (max_position_embeddings): shorten the input")
             h = h + self.embed_positions(position_ids)
         rope = self._rope(position_ids, h.dtype)
         query = torch.arange(past, past + s, device=h.device)[:, None]
@@ -388,3 +407,27 @@ class GRTForCausalLM(GRTPreTrainedModel, GenerationMixin):
                                else num_items_in_batch)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
         return output if return_dict else output.to_tuple()
+
+    def _prepare_generation_config(self, generation_config, *args, **kwargs):
+        # generate() keeps a keyword in the generation config when the config has that attribute (an export's
+        # does, for GENERATION_OPTIONS), so it would never reach forward: hand them over from there.
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
+        for name in GENERATION_OPTIONS:
+            if getattr(generation_config, name, None) is not None:
+                model_kwargs.setdefault(name, getattr(generation_config, name))
+        return generation_config, model_kwargs
+
+    def _prepare_generated_length(self, generation_config, has_default_max_length, has_default_min_length,
+                                  model_input_name, input_ids_length, inputs_tensor):
+        generation_config = super()._prepare_generated_length(
+            generation_config, has_default_max_length=has_default_max_length,
+            has_default_min_length=has_default_min_length, model_input_name=model_input_name,
+            input_ids_length=input_ids_length, inputs_tensor=inputs_tensor)
+        # Learned positions end at max_position_embeddings: refuse up front rather than fail mid-way.
+        limit, prompt = self.config.max_position_embeddings, inputs_tensor.shape[1]
+        new = generation_config.max_length - input_ids_length
+        if self.config.position_embedding == "learned" and prompt + new > limit:
+            raise ValueError(f"a prompt of {prompt} tokens (padding included) + {new} new tokens passes the {limit} "
+                             "learned positions of this model (max_position_embeddings): ask for at most "
+                             f"{max(limit - prompt, 0)} new tokens, or shorten the prompt")
+        return generation_config
