@@ -230,22 +230,24 @@ def newest_complete(root: Path) -> tuple[Optional[CheckpointInfo], list[Checkpoi
     return None, skipped
 
 
-def resolve_checkpoint(spec: str, default_root: Path) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
+def resolve_checkpoint(spec: str, default_root: Path,
+                       option: str = "resume=") -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
     """`auto` (newest complete under `default_root`, None if there is none) or a path: a checkpoint
-    directory, or a run / checkpoints directory (its newest complete checkpoint)."""
+    directory, or a run / checkpoints directory (its newest complete checkpoint). Errors name `option`
+    (`resume=`, or grt-convert-hf's `--checkpoint `)."""
     if spec == "auto":
         return newest_complete(default_root)
     path = Path(spec)
     if not path.exists():
-        raise CheckpointError(f"resume={spec}: no such file or directory")
+        raise CheckpointError(f"{option}{spec}: no such file or directory")
     if (path / MANIFEST).exists() or path.is_file() or _STEP_DIR.match(path.name):
         info = inspect_checkpoint(path, verify_hashes=True)
         if not info.complete:
-            raise CheckpointError(f"resume={spec}: {info.problem}")
+            raise CheckpointError(f"{option}{spec}: {info.problem}")
         return info, []
     found, skipped = newest_complete(checkpoint_root_of(path))
     if found is None:
-        raise CheckpointError(f"resume={spec}: no complete checkpoint in {checkpoint_root_of(path)}"
+        raise CheckpointError(f"{option}{spec}: no complete checkpoint in {checkpoint_root_of(path)}"
                               + "".join(f"\n  skipped {s.path.name}: {s.problem}" for s in skipped))
     return found, skipped
 
