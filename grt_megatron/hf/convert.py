@@ -5,7 +5,9 @@
 
 The folder holds `config.json` (model type `grt`, `auto_map`), `configuration_grt.py` and `modeling_grt.py`
 (torch + transformers only), `model.safetensors` (sharded when large), the tokenizer and
-`generation_config.json`; `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loads it.
+`generation_config.json`; `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loads it, and
+`AutoModel` its base model (the hidden states). `--checkpoint` also takes a run or checkpoints directory, as
+`resume=` does: its newest complete checkpoint is exported.
 """
 
 from __future__ import annotations
@@ -154,6 +156,9 @@ def build_hf_model(plain: dict[str, torch.Tensor], model: dict, dtype: torch.dty
     """An in-memory `GRTForCausalLM` holding a plain state dict's weights."""
     HFGRTConfig, GRTForCausalLM = _hf_classes()
     config = HFGRTConfig(**hf_config_kwargs(model))
+    # save_pretrained adds the classes it saves (AutoConfig, AutoModelForCausalLM) to this map; the base model
+    # is not saved by itself, so it is named here for AutoModel.
+    config.auto_map = {"AutoModel": "modeling_grt.GRTModel"}
     with torch.device("meta"):
         hf_model = GRTForCausalLM(config)
     state = to_hf_state(plain, model)
@@ -205,6 +210,7 @@ def export_checkpoint(checkpoint: Path, output: Path, dtype: str = "fp32", max_s
     from transformers import GenerationConfig
 
     from grt_megatron.checkpoint.consolidate import consolidate
+    from grt_megatron.hf.modeling_grt import GENERATION_OPTIONS
 
     output = Path(output)
     if output.exists():
@@ -221,7 +227,9 @@ def export_checkpoint(checkpoint: Path, output: Path, dtype: str = "fp32", max_s
     try:
         special = _save_tokenizer(Path(checkpoint), state, tmp, model["max_sequence_length"])
         hf_model.config.update(special)
-        hf_model.generation_config = GenerationConfig(**special)
+        # num_recurrences, kv_cache and exit_threshold are generation settings too: generate() reads them here.
+        hf_model.generation_config = GenerationConfig(
+            **special, **{name: getattr(hf_model.config, name) for name in GENERATION_OPTIONS})
         hf_model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
         (tmp / "grt_export.json").write_text(json.dumps({"source": str(checkpoint), "step": state["step"],
                                                          "tokens": state["tokens"], "dtype": dtype,
@@ -246,7 +254,6 @@ def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
 
     from grt_megatron import __version__
     from grt_megatron.checkpoint.store import TRAINER_STATE, PendingSave, write_file
-    from grt_megatron.data.tokenizer import load_tokenizer
     from grt_megatron.model import GRTConfig
 
     hf_dir, output = Path(hf_dir), Path(output)
@@ -259,10 +266,9 @@ def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
         raise CheckpointError(f"--from-hf {hf_dir}: model_type {getattr(config, 'model_type', None)!r} is not 'grt'")
     model = GRTConfig.from_recipe(model_from_hf_config(config)).to_dict()
     padded = GRTConfig.from_recipe(model).padded_vocab_size
+    tokenizer = _read_tokenizer(hf_dir)  # before the weights: a folder without one fails at once
     hf_state = _read_hf_weights(hf_dir)
     plain = from_hf_state(hf_state, model, padded)
-    tokenizer = load_tokenizer(hf_dir / "tokenizer.model") if (hf_dir / "tokenizer.model").is_file() \
-        else load_tokenizer(str(hf_dir))
     if not output.name.startswith("step_"):
         raise CheckpointError(f"--output {output}: name a checkpoint directory step_NNNNNNNN (e.g. step_00000000)")
     pending = PendingSave(output.parent, int(output.name[5:]))
@@ -285,6 +291,42 @@ def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
     return pending.commit(files, permanent=False)
 
 
+def _read_tokenizer(hf_dir: Path):
+    """The folder's tokenizer (`tokenizer.model`, or a Hugging Face tokenizer's files): a checkpoint needs one."""
+    from grt_megatron.data.tokenizer import load_tokenizer
+
+    if (hf_dir / "tokenizer.model").is_file():
+        return load_tokenizer(hf_dir / "tokenizer.model")
+    if not any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise CheckpointError(f"--from-hf {hf_dir}: no tokenizer (tokenizer.model, or tokenizer.json / "
+                              "tokenizer_config.json); a training checkpoint needs one: save it into the folder")
+    try:
+        return load_tokenizer(str(hf_dir))
+    except Exception as err:  # transformers' own errors (OSError, ValueError, ...): one line, not a traceback
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"--from-hf {hf_dir}: its tokenizer does not load: {first}") from None
+
+
+def resolve_export_source(path: Path) -> Path:
+    """`--checkpoint` as `resume=` reads it: a checkpoint directory as it is (consolidate verifies it), or a run
+    or checkpoints directory: its newest complete checkpoint, named on stdout with any newer one skipped."""
+    from grt_megatron.checkpoint.store import MANIFEST, checkpoint_root_of, list_checkpoints, resolve_checkpoint
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"--checkpoint {path}: no such file or directory")
+    if not path.is_dir() or (path / MANIFEST).exists() or path.name.startswith("step_"):
+        return path
+    if not list_checkpoints(checkpoint_root_of(path)):
+        raise CheckpointError(f"--checkpoint {path}: not a grt-megatron checkpoint (no {MANIFEST}), nor a run or "
+                              "checkpoints directory holding one")
+    found, skipped = resolve_checkpoint(str(path), path, option="--checkpoint ")
+    for s in skipped:
+        print(f"--checkpoint {path}: skipping {s.path.name} ({s.problem})")
+    print(f"--checkpoint {path}: exporting its newest complete checkpoint, {found.path}")
+    return found.path
+
+
 def _read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -304,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="grt-convert-hf", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="a training checkpoint directory (step_N), any layout")
+    source.add_argument("--checkpoint", help="a training checkpoint directory (step_N), any layout, or a run / "
+                                             "checkpoints directory (its newest complete checkpoint)")
     source.add_argument("--from-hf", help="an exported Hugging Face folder, to import as a training checkpoint")
     parser.add_argument("--output", required=True, help="the HF folder to write (export) or the checkpoint "
                                                         "directory RUN/checkpoints/step_00000000 (import)")
@@ -314,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_warnings()
     try:
         if args.checkpoint:
-            out = export_checkpoint(Path(args.checkpoint), Path(args.output), args.dtype, args.max_shard_size)
-            print(f"exported {args.checkpoint} -> {out}")
+            source = resolve_export_source(Path(args.checkpoint))
+            out = export_checkpoint(source, Path(args.output), args.dtype, args.max_shard_size)
+            print(f"exported {source} -> {out}")
         else:
             out = import_hf(Path(args.from_hf), Path(args.output))
             print(f"imported {args.from_hf} -> {out} (resume=... it to fine-tune, in any layout)")

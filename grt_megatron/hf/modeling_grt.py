@@ -1,4 +1,5 @@
-"""Gated Recurrent Transformer for Hugging Face transformers: `GRTForCausalLM` with `generate()`.
+"""Gated Recurrent Transformer for Hugging Face transformers: `GRTModel` (AutoModel, the hidden states) and
+`GRTForCausalLM` (AutoModelForCausalLM, with `generate()`).
 
 Self-contained (imports only torch and transformers): it is copied next to the weights of an exported
 model and loaded with `trust_remote_code=True`. Inference only adds no noise; the equations are those of
@@ -11,8 +12,15 @@ grt-megatron's `recurrent_block.py`:
 
 The K/V cache has a slot per layer *execution*: prelude layers, each core layer at each recurrence, coda
 layers; sharing one slot across recurrences would let later recurrences overwrite earlier ones. With
-`kv_cache="average"` the core keeps one slot per layer holding the mean K/V over recurrences (smaller,
-approximate for past tokens).
+`kv_cache="average"` the core keeps one slot per core layer holding the mean K/V over recurrences (smaller,
+approximate for past tokens). A cache is laid out for one depth: reusing it with another R is refused.
+
+`output_hidden_states=True` gives one tensor per layer execution *boundary*, 1 + P + R + C of them: the
+embeddings (tokens + learned positions), each prelude layer's output, the state h_r after each recurrence
+(the gated blend, not the core layers inside it; fewer when adaptive exit stopped every token early), each
+coda layer's output, the last replaced by the final norm's output (= `last_hidden_state`), as in every
+transformers LM. Attention weights are never formed (torch's scaled_dot_product_attention), so
+`output_attentions=True` is refused.
 """
 
 from typing import Optional
@@ -22,11 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 
 from .configuration_grt import GRTConfig
 
+logger = logging.get_logger(__name__)
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
+KV_CACHES = ("per_recurrence", "average")
+# Per-call settings that also live in the generation config (generation_config.json of an export).
+GENERATION_OPTIONS = ("num_recurrences", "kv_cache", "exit_threshold")
 
 
 def _norm(config: GRTConfig) -> nn.Module:
@@ -43,12 +56,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RecurrentKVCache(DynamicCache):
     """A DynamicCache whose layer index is a slot (see `GRTModel.slot`); slots are created on first use.
     `average`: core slots hold the mean K/V over recurrences; a chunk's K/V are summed in `pending`
-    while its recurrences run and committed once they are done."""
+    while its recurrences run and committed once they are done. Its first forward fixes `recurrences`
+    and `average`: with another depth the slots would hold other layer executions' K/V."""
 
-    def __init__(self, average: bool = False):
+    def __init__(self, average: bool = False, recurrences: Optional[int] = None):
         super().__init__()
         self.average = average
+        self.recurrences = recurrences
         self.pending: dict[int, list] = {}
+
+    def bind(self, recurrences: int, average: bool) -> None:
+        if self.recurrences is None:
+            self.recurrences, self.average = recurrences, average
+        elif (self.recurrences, self.average) != (recurrences, average):
+            built, now = (f"num_recurrences={r}, kv_cache={KV_CACHES[a]!r}"
+                          for r, a in ((self.recurrences, self.average), (recurrences, average)))
+            raise ValueError(f"this cache was built with {built} but this call runs {now}: its slots hold the K/V "
+                             "of one depth's layer executions; pass the same settings, or start without a cache")
 
     def past(self, slot: int):
         if slot < len(self.layers) and getattr(self.layers[slot], "keys", None) is not None \
@@ -72,6 +96,19 @@ class RecurrentKVCache(DynamicCache):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+def _one_cache(cache, past_key_values) -> Optional[RecurrentKVCache]:
+    """`cache` (transformers 5's name) or `past_key_values` (the older one, which PEFT and many scripts pass)."""
+    if past_key_values is not None:
+        if cache is not None:
+            raise ValueError("pass the cache once: as `cache` or as `past_key_values`, not both")
+        cache = past_key_values
+    if cache is not None and not isinstance(cache, RecurrentKVCache):
+        raise ValueError(f"GRT needs its own RecurrentKVCache (a K/V slot per layer execution, P + K×R + C), not "
+                         f"{type(cache).__name__}: pass use_cache=True and reuse the returned `.cache`. PEFT prefix "
+                         "tuning (one K/V prefix per layer) is therefore not supported: use LoRA or prompt tuning")
+    return cache
 
 
 class GRTAttention(nn.Module):
@@ -133,6 +170,7 @@ class GRTPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["GRTLayer"]
     _supports_sdpa = True
+    supports_gradient_checkpointing = True
 
     def _init_weights(self, module):
         std = self.config.init_method_std
@@ -145,6 +183,9 @@ class GRTPreTrainedModel(PreTrainedModel):
 
 
 class GRTModel(GRTPreTrainedModel):
+    """Prelude, recurrent core, coda and final norm: `last_hidden_state` [b, s, d]. `last_recurrences` [b, s]:
+    the recurrences each token of the last forward ran (smaller than R where adaptive exit fired)."""
+
     def __init__(self, config: GRTConfig):
         super().__init__(config)
         if config.initial_state != "prelude":
@@ -160,7 +201,15 @@ class GRTModel(GRTPreTrainedModel):
             self.gate_norm_state, self.gate_norm_prelude = _norm(config), _norm(config)
             self.gate_fc1, self.gate_fc2 = nn.Linear(2 * d, d), nn.Linear(d, d)
         self.norm = _norm(config)
+        self.gradient_checkpointing = False  # set by `gradient_checkpointing_enable()`
+        self.last_recurrences: Optional[torch.Tensor] = None
         self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
 
     def slot(self, piece: str, index: int, recurrence: int, recurrences: int, average: bool) -> int:
         """The cache slot of one layer execution."""
@@ -181,33 +230,73 @@ class GRTModel(GRTPreTrainedModel):
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [b, 1, s, dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, num_recurrences=None,
-                exit_threshold=None, kv_cache=None):
-        """Hidden states [b, s, d] after the final norm, and the number of recurrences each token ran
-        ([b, s]; all R without adaptive exit)."""
+    def _run(self, i, h, mask, rope, cache, slot, mode):
+        """Layer i once. Under activation checkpointing (training) each execution, recurrences included, keeps
+        only its input and is recomputed in backward; the cache is off then (see `forward`)."""
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(self.layers[i].__call__, h, mask, rope, None, slot, mode)
+        return self.layers[i](h, mask, rope, cache, slot, mode)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                use_cache=None, output_hidden_states=None, output_attentions=None, return_dict=None,
+                num_recurrences=None, exit_threshold=None, kv_cache=None, past_key_values=None):
+        """`inputs_embeds` replaces the token embeddings (learned positions are still added); `cache` (alias
+        `past_key_values`) is a RecurrentKVCache from an earlier call; `num_recurrences`, `exit_threshold`
+        and `kv_cache` override the config's for this call."""
         cfg = self.config
+        if output_attentions or (output_attentions is None and getattr(cfg, "output_attentions", False)):
+            raise ValueError("output_attentions=True is not supported: GRT's attention is torch's "
+                             "scaled_dot_product_attention, which never forms the attention weights")
+        hidden = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+        if not isinstance(hidden, bool):
+            raise TypeError(f"output_hidden_states={hidden!r}: True or False (GRT returns all hidden states or none)")
+        return_dict = cfg.return_dict if return_dict is None else return_dict
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
         recurrences = num_recurrences or cfg.num_recurrences
         threshold = cfg.exit_threshold if exit_threshold is None else exit_threshold
+        if (kv_cache or cfg.kv_cache) not in KV_CACHES:
+            raise ValueError(f"kv_cache={kv_cache or cfg.kv_cache!r}: one of {', '.join(KV_CACHES)}")
         average = (kv_cache or cfg.kv_cache) == "average"
         core_mode = "average" if average else "write"  # prelude and coda always have their own slots
-        b, s = input_ids.shape
+        cache = _one_cache(cache, past_key_values)
+        use_cache = cfg.use_cache if use_cache is None else use_cache
+        if use_cache and self.gradient_checkpointing and self.training:
+            # Recomputing a layer in backward would write its K/V into the cache a second time.
+            logger.warning_once("use_cache=True is incompatible with activation checkpointing in training: "
+                                "running without a cache")
+            use_cache = False
+        if not use_cache:
+            cache = None
+        elif cache is None:
+            cache = RecurrentKVCache()
+        if cache is not None:
+            cache.bind(recurrences, average)
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, s = h.shape[:2]
         past = cache.get_seq_length() if cache is not None else 0
         if attention_mask is None:
-            attention_mask = torch.ones(b, past + s, dtype=torch.long, device=input_ids.device)
+            attention_mask = torch.ones(b, past + s, dtype=torch.long, device=h.device)
         valid = attention_mask[:, -(past + s):].bool()
         if position_ids is None:  # left padding: positions count real tokens only
             position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, -s:]
-        h = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
+            limit = cfg.max_position_embeddings
+            if past + s > limit and int(position_ids.max()) >= limit:  # the embedding would raise IndexError
+                raise ValueError(f"position {int(position_ids.max())} is past the {limit} learned positions of this "
+                                 "model (max_position_embeddings): shorten the input")
             h = h + self.embed_positions(position_ids)
         rope = self._rope(position_ids, h.dtype)
         query = torch.arange(past, past + s, device=h.device)[:, None]
         key = torch.arange(past + s, device=h.device)[None, :]
         mask = ((key <= query)[None] & valid[:, None, :]) | (key == query)[None]  # a row never empty
         mask = mask[:, None]  # [b, 1, s, past + s]
+        states = [h] if hidden else None
         p, k = cfg.prelude_layers, cfg.core_layers
         for i in range(p):
-            h = self.layers[i](h, mask, rope, cache, self.slot("prelude", i, 0, recurrences, average), "write")
+            h = self._run(i, h, mask, rope, cache, self.slot("prelude", i, 0, recurrences, average), "write")
+            if hidden:
+                states.append(h)
         # The state is carried in fp32 and blended as h + sigmoid(−a)·(o − h), as in training
         # (grt_megatron/model/recurrent_block.py): in bf16 the gate's small update would round away.
         h_pre, state = h, h.float()
@@ -222,8 +311,7 @@ class GRTModel(GRTPreTrainedModel):
             else:
                 x = layer_in
             for j in range(k):
-                x = self.layers[p + j](x, mask, rope, cache, self.slot("core", j, r, recurrences, average),
-                                       core_mode)
+                x = self._run(p + j, x, mask, rope, cache, self.slot("core", j, r, recurrences, average), core_mode)
             if self.gate_fc1 is None:
                 new = x.float()
             else:
@@ -236,6 +324,8 @@ class GRTModel(GRTPreTrainedModel):
                 new = torch.where(active[..., None], new, state)
                 active = active & (change >= threshold)
             state = new
+            if hidden:
+                states.append(state.to(h_pre.dtype))
             if threshold is not None and not active.any():
                 if cache is not None and not average:  # later recurrences' slots repeat this one's K/V
                     for j in range(k):
@@ -249,21 +339,33 @@ class GRTModel(GRTPreTrainedModel):
             cache.commit()
         state = state.to(h_pre.dtype)
         for c in range(cfg.coda_layers):
-            state = self.layers[p + k + c](state, mask, rope, cache,
-                                           self.slot("coda", c, 0, recurrences, average), "write")
-        return self.norm(state), ran
+            state = self._run(p + k + c, state, mask, rope, cache, self.slot("coda", c, 0, recurrences, average),
+                              "write")
+            if hidden:
+                states.append(state)
+        out = self.norm(state)
+        if hidden:
+            states[-1] = out
+        self.last_recurrences = ran
+        output = BaseModelOutputWithPast(last_hidden_state=out, cache=cache,
+                                         hidden_states=tuple(states) if hidden else None)
+        return output if return_dict else output.to_tuple()
 
 
 class GRTForCausalLM(GRTPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    accepts_loss_kwargs = True  # `num_items_in_batch`: Trainer then leaves the gradient-accumulation scaling to us
 
     def __init__(self, config: GRTConfig):
         super().__init__(config)
         self.model = GRTModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.last_recurrences: Optional[torch.Tensor] = None
-        """Recurrences each token of the last forward ran (smaller than R where adaptive exit fired)."""
         self.post_init()
+
+    @property
+    def last_recurrences(self) -> Optional[torch.Tensor]:
+        """Recurrences each token of the last forward ran (smaller than R where adaptive exit fired)."""
+        return self.model.last_recurrences
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -279,19 +381,53 @@ class GRTForCausalLM(GRTPreTrainedModel, GenerationMixin):
         # The cache is ours (a slot per layer execution, created in `forward`), not one sized by the config.
         return False
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, labels=None,
-                use_cache=None, num_recurrences=None, exit_threshold=None, kv_cache=None, logits_to_keep=0,
-                **kwargs):
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and cache is None:
-            cache = RecurrentKVCache(average=(kv_cache or self.config.kv_cache) == "average")
-        hidden, ran = self.model(input_ids, attention_mask, position_ids, cache if use_cache else None,
-                                 num_recurrences, exit_threshold, kv_cache)
-        self.last_recurrences = ran
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, output_hidden_states=None, output_attentions=None, return_dict=None,
+                logits_to_keep=0, num_items_in_batch=None, num_recurrences=None, exit_threshold=None,
+                kv_cache=None, past_key_values=None):
+        """GRTModel's arguments, and: `labels` (next-token loss, -100 ignored); `num_items_in_batch`, the
+        labelled tokens of a whole accumulated batch (Trainer passes it): the loss is then this batch's summed
+        token loss over it, so that gradient accumulation adds up to one big batch; `logits_to_keep` (the last
+        N positions only). Unknown keywords are a TypeError, as for any Python function."""
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
+                         output_attentions=output_attentions, return_dict=True, num_recurrences=num_recurrences,
+                         exit_threshold=exit_threshold, kv_cache=kv_cache, past_key_values=past_key_values)
+        hidden = out.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else out.last_hidden_state
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+            pred, target = logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device)
+            if num_items_in_batch is None:
+                loss = F.cross_entropy(pred, target, ignore_index=-100)
+            else:
+                loss = F.cross_entropy(pred, target, ignore_index=-100, reduction="sum")
+                loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
+                               else num_items_in_batch)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
+        return output if return_dict else output.to_tuple()
+
+    def _prepare_generation_config(self, generation_config, *args, **kwargs):
+        # generate() keeps a keyword in the generation config when the config has that attribute (an export's
+        # does, for GENERATION_OPTIONS), so it would never reach forward: hand them over from there.
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
+        for name in GENERATION_OPTIONS:
+            if getattr(generation_config, name, None) is not None:
+                model_kwargs.setdefault(name, getattr(generation_config, name))
+        return generation_config, model_kwargs
+
+    def _prepare_generated_length(self, generation_config, has_default_max_length, has_default_min_length,
+                                  model_input_name, input_ids_length, inputs_tensor):
+        generation_config = super()._prepare_generated_length(
+            generation_config, has_default_max_length=has_default_max_length,
+            has_default_min_length=has_default_min_length, model_input_name=model_input_name,
+            input_ids_length=input_ids_length, inputs_tensor=inputs_tensor)
+        # Learned positions end at max_position_embeddings: refuse up front rather than fail mid-way.
+        limit, prompt = self.config.max_position_embeddings, inputs_tensor.shape[1]
+        new = generation_config.max_length - input_ids_length
+        if self.config.position_embedding == "learned" and prompt + new > limit:
+            raise ValueError(f"a prompt of {prompt} tokens (padding included) + {new} new tokens passes the {limit} "
+                             "learned positions of this model (max_position_embeddings): ask for at most "
+                             f"{max(limit - prompt, 0)} new tokens, or shorten the prompt")
+        return generation_config
