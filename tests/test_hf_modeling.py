@@ -59,7 +59,10 @@ def folder(run_dir, tmp_path_factory):
 def alone(folder, tmp_path, body: str) -> str:
     """Run PRELUDE + body next to a copy of the folder: clean PYTHONPATH, cwd outside the repo, own module cache."""
     shutil.copytree(folder, tmp_path / "copy")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # Nor the launcher variables an in-process test of this pytest worker exported (its `world` holds
+    # MASTER_PORT): accelerate would read them and start a process group on that taken port.
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in launcher}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")  # never shared with another test run's copies
     proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
