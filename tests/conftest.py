@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,10 +48,35 @@ def run_cli(args: list[str], env: dict | None = None, launcher: list[str] | None
         cmd = [sys.executable, "-m", "grt_megatron.training.cli", *args]
     else:
         cmd = [*launcher, str(REPO / "grt_megatron" / "training" / "cli.py"), *args]
-    full_env = {**os.environ, **(env or {})}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_API_KEY", "WANDB_MODE"):
+    return subprocess.run(cmd, cwd=REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+# Set by a launcher, or exported by an in-process test's `world` (its process group holds MASTER_PORT):
+# a child process must not inherit them, or it joins or re-binds that group.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def cli_env(extra: dict | None = None) -> dict:
+    """This environment for a `grt-train` child: no launcher variables, no wandb credentials."""
+    full_env = {**os.environ, **(extra or {})}
+    for var in (*LAUNCHER_VARIABLES, "WANDB_API_KEY", "WANDB_MODE"):
         full_env.pop(var, None)
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return full_env
+
+
+def start_cli(args: list[str]) -> subprocess.Popen:
+    """`grt-train ARGS` started in the background (to be signalled or killed), output captured."""
+    return subprocess.Popen([sys.executable, "-m", "grt_megatron.training.cli", *args], cwd=REPO, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120, poll: float = 0.002) -> None:
+    """Poll `predicate` until it holds; fail if `proc` exits first or `timeout` seconds pass."""
+    start = time.perf_counter()
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.perf_counter() - start < timeout
+        time.sleep(poll)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -13,7 +13,7 @@ import time
 import pytest
 from safetensors import safe_open
 
-from conftest import REPO, read_jsonl, run_cli
+from conftest import REPO, cli_env, read_jsonl, run_cli, start_cli, wait_for
 
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
 PORT = iter(range(29710, 29800))
@@ -103,20 +103,6 @@ def reference(pydoc_prefix, tmp_path_factory):
     return run_dir
 
 
-def _start(args):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    return subprocess.Popen([sys.executable, "-m", "grt_megatron.training.cli", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for(predicate, proc, timeout=120):
-    start = time.perf_counter()
-    while not predicate():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.perf_counter() - start < timeout
-        time.sleep(0.002)
-
-
 def _newest(root):
     """The step `latest` names (0 before the first save): written last, so polling it is cheap and safe."""
     latest = root / "latest"
@@ -144,10 +130,10 @@ def _kill_at(kind, proc, root, rng, timing):
     if kind == "start-up":
         time.sleep(rng.uniform(0, 0.9 * timing["start-up"]))
     else:
-        _wait_for(lambda: _newest(root) > before, proc)
+        wait_for(lambda: _newest(root) > before, proc)
         timing["start-up"] = timing.get("start-up") or time.perf_counter() - started
         if kind == "save":
-            _wait_for(lambda: any(root.glob(".tmp-step_*")), proc)
+            wait_for(lambda: any(root.glob(".tmp-step_*")), proc)
             time.sleep(rng.uniform(0, 0.03))  # a save takes ~0.1 s here
         else:  # within a step's time: the next checkpoint is rarely reached, 12 steps leave room for 10 kills
             time.sleep(rng.uniform(0, 0.8 * _last_step_seconds(root.parent)))
@@ -171,7 +157,7 @@ def test_sigkill_at_random_moments_always_resumes_to_the_uninterrupted_curve(pyd
     timing, in_save, resume, resumed_at = {}, 0, [], 0
     for kind in ["step", *plan]:  # the first kill after a step: it measures how long start-up takes
         stale = _saves_in_progress(root)  # left by the previous kill (the next save removes them)
-        out = _kill_at(kind, _start([*args, *resume]), root, rng, timing)
+        out = _kill_at(kind, start_cli([*args, *resume]), root, rng, timing)
         in_save += bool(_saves_in_progress(root) - stale)
         left = [inspect_checkpoint(c.path, verify_hashes=True) for c in list_checkpoints(root)]
         assert left and all(c.complete for c in left), [c.problem for c in left]
@@ -188,9 +174,9 @@ def test_sigkill_at_random_moments_always_resumes_to_the_uninterrupted_curve(pyd
 def test_sigusr1_saves_exits_0_and_resume_continues_the_curve(pydoc_prefix, tmp_path, reference):
     run_dir = tmp_path / "run"
     args = _args(pydoc_prefix[0], iters=12, interval=0, extra=["data.train_samples=160"])
-    proc = _start([*args, f"run.dir={run_dir}"])
+    proc = start_cli([*args, f"run.dir={run_dir}"])
     metrics = run_dir / "metrics.jsonl"
-    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -205,12 +191,11 @@ def test_sigusr1_saves_exits_0_and_resume_continues_the_curve(pydoc_prefix, tmp_
 def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(pydoc_prefix, tmp_path):
     run_dir = tmp_path / "run"
     args = _args(pydoc_prefix[0], iters=40, interval=0, extra=["deepspeed.zero_stage=1"])
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.Popen([*_torchrun(2), str(REPO / "grt_megatron" / "training" / "cli.py"), *args,
-                             f"run.dir={run_dir}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             f"run.dir={run_dir}"], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
-    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2
     os.kill(int(workers[-1]), signal.SIGUSR1)  # one rank only (the last started: not rank 0's logger)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, SHAKESPEARE, read_jsonl, run_cli
+from conftest import LAUNCHER_VARIABLES, REPO, SHAKESPEARE, read_jsonl, run_cli
 
 TASKS = REPO / "tests" / "data" / "lm_eval_tasks"
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
@@ -45,8 +45,7 @@ def tasks(tmp_path_factory):
 def grt_eval(*args, cwd, modules=""):
     # Not the launcher variables an in-process test of this pytest worker exported (MASTER_PORT is held
     # by its process group): accelerate, under lm-eval, would start a group on that taken port.
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "HF_")) and k not in launcher}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "HF_")) and k not in LAUNCHER_VARIABLES}
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(cwd / "hf_home"))
     code = f"import sys; {modules}from grt_megatron.evaluation import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, env=env, capture_output=True,

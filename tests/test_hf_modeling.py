@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import LAUNCHER_VARIABLES, REPO, run_cli
 
 # An untied tiny GRT 1+2×3+1 (two core layers, so a recurrence spans several slots) with 32 learned positions,
 # trained 2 steps at a small LR: close to its random init, whose greedy continuations vary.
@@ -61,8 +61,7 @@ def alone(folder, tmp_path, body: str) -> str:
     shutil.copytree(folder, tmp_path / "copy")
     # Nor the launcher variables an in-process test of this pytest worker exported (its `world` holds
     # MASTER_PORT): accelerate would read them and start a process group on that taken port.
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in launcher}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in LAUNCHER_VARIABLES}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")  # never shared with another test run's copies
     proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)

@@ -2,16 +2,14 @@
 with one line and a documented status, and a finished run resumed says so."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import yaml
 
-from conftest import REPO, SHAKESPEARE, read_jsonl, run_cli
+from conftest import SHAKESPEARE, read_jsonl, run_cli, start_cli, wait_for
 
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
 
@@ -21,27 +19,13 @@ def _args(prefix, iters, extra=()):
             "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_iters=1", *QUIET, *extra]
 
 
-def _start(args):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    return subprocess.Popen([sys.executable, "-m", "grt_megatron.training.cli", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def _errors(stderr):
     return [line for line in stderr.splitlines() if line.startswith("grt-train: ")]
 
 
-def _wait_for(predicate, proc, timeout=120):
-    start = time.perf_counter()
-    while not predicate():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.perf_counter() - start < timeout
-        time.sleep(0.01)
-
-
 def test_two_runs_started_at_once_one_is_refused_naming_the_holder(pydoc_prefix, tmp_path):
     run_dir = tmp_path / "run"
-    procs = [_start([*_args(pydoc_prefix[0], 12, [f"seed={seed}"]), f"run.dir={run_dir}"]) for seed in (1, 2)]
+    procs = [start_cli([*_args(pydoc_prefix[0], 12, [f"seed={seed}"]), f"run.dir={run_dir}"]) for seed in (1, 2)]
     outs = [p.communicate(timeout=600) for p in procs]
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 2], [o[1][-2000:] for o in outs]
@@ -117,9 +101,9 @@ def test_signal_during_data_preparation_stops_with_one_line(tmp_path, sig):
     """Before the loop (here: while rank 0 trains the run's tokenizer on a raw corpus) a signal ends the
     run at once with 128 + N, one line, and nothing half-written under data/."""
     run_dir = tmp_path / "run"
-    proc = _start(["model=tiny", f"data={SHAKESPEARE}", "data.vocab_size=4096", "train.iters=2",
+    proc = start_cli(["model=tiny", f"data={SHAKESPEARE}", "data.vocab_size=4096", "train.iters=2",
                    f"run.dir={run_dir}", *QUIET])
-    _wait_for(lambda: (run_dir / ".grt-train.lock").exists(), proc)
+    wait_for(lambda: (run_dir / ".grt-train.lock").exists(), proc)
     time.sleep(0.3)
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=120)
@@ -133,8 +117,8 @@ def test_signal_during_data_preparation_stops_with_one_line(tmp_path, sig):
 
 def test_ctrl_c_in_the_loop_saves_and_exits_130(pydoc_prefix, tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start([*_args(pydoc_prefix[0], 200, ["data.train_samples=1600"]), f"run.dir={run_dir}"])
-    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_jsonl(run_dir / "metrics.jsonl")) >= 2, proc)
+    proc = start_cli([*_args(pydoc_prefix[0], 200, ["data.train_samples=1600"]), f"run.dir={run_dir}"])
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_jsonl(run_dir / "metrics.jsonl")) >= 2, proc)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
