@@ -183,3 +183,32 @@ def test_an_exported_folder_at_its_trained_depth(run_dir, tasks, tmp_path, capsy
     results = json.loads((tmp_path / "out" / "results_R3.json").read_text())
     assert results["grt"]["num_recurrences"] == 3 and results["n-samples"]["grt_test_rolling"]["effective"] == 2
     assert "| task | metric | R=3 |" in capsys.readouterr().out
+
+
+def test_stdlib_docstring_tasks_are_well_formed(tmp_path):
+    """tools/eval_tasks/stdlib_docstrings.py: the README's evaluation-at-several-R tasks. Each cloze item's
+    answer is the docstring's true continuation, the two tasks share no document, lm-eval indexes both,
+    and a second run writes the same files (the README's numbers can be reproduced)."""
+    from lm_eval.tasks import TaskManager
+
+    from tools.eval_tasks.stdlib_docstrings import CONTEXT_WORDS, SPAN_WORDS, docstrings, main
+
+    assert main(["--output", str(tmp_path / "a"), "--cloze-items", "40", "--ppl-docs", "20"]) == 0
+    assert main(["--output", str(tmp_path / "b"), "--cloze-items", "40", "--ppl-docs", "20"]) == 0
+    for name in ("stdlib_cloze.jsonl", "stdlib_ppl.jsonl"):
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+    cloze = read_jsonl(tmp_path / "a" / "stdlib_cloze.jsonl")
+    ppl = read_jsonl(tmp_path / "a" / "stdlib_ppl.jsonl")
+    assert len(cloze) == 40 and len(ppl) == 20
+    full = {tuple(d.split()[:CONTEXT_WORDS]): d for d in docstrings(CONTEXT_WORDS + SPAN_WORDS)}
+    answers = [item["answer"] for item in cloze]
+    assert len(set(answers)) > 1  # the true continuation is not always in the same place
+    for item in cloze:
+        doc = full[tuple(item["context"].split())]
+        assert doc.startswith(item["context"] + item["choices"][item["answer"]])
+        assert len(item["choices"]) == 4 and len(set(item["choices"])) == 4
+        assert all(len(c.split()) == SPAN_WORDS for c in item["choices"])
+    contexts = {item["context"] for item in cloze}
+    assert not any(" ".join(p["text"].split()[:CONTEXT_WORDS]) in contexts for p in ppl)
+    manager = TaskManager(include_path=str(tmp_path / "a"), include_defaults=False)
+    assert {"stdlib_cloze", "stdlib_ppl"} <= set(manager.all_tasks)
