@@ -1,0 +1,63 @@
+"""`grt-report`: compare finished runs — a markdown table, loss curves and loss-vs-R plots.
+
+    grt-report runs/experiments --output docs/results/cpu
+
+RUN_DIRS are run directories (`run_info.json` + `metrics.jsonl`) or folders searched for them. Runs are
+grouped into cells by `experiment.name` and `experiment.budget` (else by run name or model shape); a cell's
+seeds give the mean ± sample standard deviation. Any subset of a grid works. The output folder gets
+`report.md`, `summary.json`, `loss_curves.png`, `delta_vs_dense.png` and `loss_vs_r.png`; each file is
+written whole or not at all. Non-dense cells are paired seed by seed with dense, and recurrent ones also with
+the GRT cell of their comparison (ablations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from grt_megatron.report.load import ReportError, Run, find_runs, load_run
+from grt_megatron.report.markdown import _fmt_std, markdown
+from grt_megatron.report.plots import (
+    _write_atomic,
+    plot_delta_vs_dense,
+    plot_loss_curves,
+    plot_loss_vs_r,
+)
+from grt_megatron.report.stats import summarize
+
+__all__ = ["ReportError", "Run", "find_runs", "load_run", "main", "markdown", "summarize", "write_report"]
+
+
+def write_report(runs: list[Run], output: Path, command: str) -> list[dict]:
+    rows = summarize(runs)
+    output.mkdir(parents=True, exist_ok=True)
+    plot_loss_curves(runs, rows, output / "loss_curves.png")
+    for name, plot in (("loss_vs_r.png", plot_loss_vs_r), ("delta_vs_dense.png", plot_delta_vs_dense)):
+        if not plot(rows, output / name) and (output / name).exists():
+            (output / name).unlink()  # a stale plot from an earlier report of other runs
+    _write_atomic(output / "summary.json", lambda p: p.write_text(json.dumps(rows, indent=2) + "\n"))
+    _write_atomic(output / "report.md", lambda p: p.write_text(markdown(rows, command)))
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from grt_megatron.console import quiet_known_warnings
+
+    quiet_known_warnings()
+    parser = argparse.ArgumentParser(prog="grt-report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories, or folders holding them")
+    parser.add_argument("--output", type=Path, required=True, help="folder for report.md, summary.json, plots")
+    args = parser.parse_args(argv)
+    command = "grt-report " + " ".join(sys.argv[1:] if argv is None else argv)
+    try:
+        runs = find_runs(args.runs)
+        rows = write_report(runs, args.output, command)
+    except ReportError as err:
+        print(f"grt-report: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"{len(runs)} runs in {len(rows)} cells -> {args.output / 'report.md'}")
+    for r in rows:
+        print(f"  {r['cell']:<36} {_fmt_std(r['best_valid_mean'], r['best_valid_std'])}")

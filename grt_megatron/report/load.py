@@ -1,0 +1,164 @@
+"""Reading run directories: `run_info.json` and `metrics.jsonl` into a `Run` per run."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+class ReportError(ValueError):
+    """A run directory that cannot be read; the message names the file."""
+
+
+@dataclass
+class Run:
+    path: Path
+    cell: str
+    scale: str
+    budget: float
+    comparison: str
+    variant: str
+    seed: int
+    shape: str
+    recurrences: int
+    parameters: int
+    flops_nominal: float
+    """Training FLOPs per token at the configured R (3 × forward)."""
+    flops_executed: float
+    """Mean training FLOPs per token over the steps run (the R each step drew; MoR's leavers)."""
+    tokens: int
+    steps: int
+    valid: list[tuple[int, float]] = field(default_factory=list)
+    """(tokens, validation loss) per evaluation."""
+    train: list[tuple[int, float]] = field(default_factory=list)
+    depth_sweep: dict[int, float] = field(default_factory=dict)
+    """Validation loss by inference R."""
+    finished: bool = True
+    """False while the run has not reached train.iters (its numbers are provisional)."""
+    diagnostics: dict[str, float] = field(default_factory=dict)
+    """The last evaluation's `gate_mean_rN` / `relative_update_rN` (does the gate learn, does h move) and,
+    for MoR, `active_fraction_rN` (the share of tokens that ran recursion N)."""
+    other_routing: dict[str, float] = field(default_factory=dict)
+    """MoR: the best validation loss under its other evaluation routing (`loss_topk_routing` or
+    `loss_threshold_routing`), besides `loss` under the run's own."""
+
+    @property
+    def best_valid(self) -> float:
+        return min(loss for _, loss in self.valid)
+
+    @property
+    def final_valid(self) -> float:
+        return self.valid[-1][1]
+
+
+def _number(value) -> float:
+    """A metric as a float: metrics.jsonl writes a non-finite value as null (its text under `nonfinite`)."""
+    return math.nan if value is None else float(value)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ReportError(f"{path}: cannot read ({err})") from None
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    records = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise ReportError(f"{path}: cannot read ({err})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ReportError(f"{path}:{number}: not a JSON record: {line[:60]!r}") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise ReportError(f"{path}:{number}: a metrics record needs a 'step' field")
+        records.append(record)
+    return records
+
+
+def _flops(model: dict, seq_len: int) -> float:
+    from grt_megatron.model import GRTConfig, forward_flops_per_token
+
+    recipe = {k: v for k, v in model.items() if k != "name"}
+    return 3.0 * forward_flops_per_token(GRTConfig.from_recipe(recipe), seq_len)["total"]
+
+
+def load_run(path: Path) -> Optional[Run]:
+    """The run at `path`, or None while it has no evaluation yet (a grid still running)."""
+    info = _read_json(path / "run_info.json")
+    records = _read_metrics(path / "metrics.jsonl")
+    config = info.get("config", {})
+    experiment = config.get("experiment") or {}
+    model = info.get("model")
+    if not isinstance(model, dict):
+        raise ReportError(f"{path / 'run_info.json'}: no 'model' section")
+    seq_len = (config.get("train") or {}).get("seq_length") or model.get("max_sequence_length", 1024)
+    tokens_per_step = None
+    train, valid, sweep, executed, diagnostics, other_routing = [], [], {}, [], {}, {}
+    for r in records:
+        split = r.get("split", "train")
+        if split == "train" and "loss" in r:
+            train.append((int(r["tokens"]), _number(r["loss"])))
+            tokens_per_step = tokens_per_step or int(r["tokens"]) // int(r["step"])
+            if "flops_per_token" in r:
+                executed.append(float(r["flops_per_token"]))
+            elif r.get("tokens_per_s"):
+                executed.append(float(r["flops_per_s"]) / float(r["tokens_per_s"]))
+        elif split == "valid":
+            valid.append((int(r["step"]), _number(r["loss"])))
+            diagnostics = {k: _number(v) for k, v in r.items()
+                           if k.startswith(("gate_mean_r", "relative_update_r", "active_fraction_r"))}
+            for k, v in r.items():
+                if k.startswith("loss_") and k.endswith("_routing"):
+                    other_routing[k] = min(_number(v), other_routing.get(k, math.inf))
+        elif split == "depth_sweep":
+            sweep[int(r["recurrences"])] = _number(r["loss"])
+    if not valid:
+        return None
+    tokens_per_step = tokens_per_step or 0
+    name = experiment.get("name") or (config.get("run") or {}).get("name") or info.get("model_shape", path.name)
+    return Run(
+        path=path, cell=name, scale=experiment.get("scale") or "-", budget=float(experiment.get("budget", 1.0)),
+        comparison=experiment.get("comparison") or "-", variant=experiment.get("variant") or "-",
+        seed=int(config.get("seed", 0)), shape=info.get("model_shape", "?"),
+        recurrences=int(model.get("recurrences", 1)), parameters=int(info.get("parameters", 0)),
+        flops_nominal=_flops(model, seq_len),
+        flops_executed=statistics.fmean(executed) if executed else float("nan"),
+        tokens=train[-1][0] if train else 0, steps=max(int(r["step"]) for r in records),
+        valid=[(step * tokens_per_step, loss) for step, loss in valid], train=train, depth_sweep=sweep,
+        diagnostics=diagnostics, other_routing=other_routing, finished=max(int(r["step"]) for r in records) >= int(
+            (config.get("train") or {}).get("iters", 0)),
+    )
+
+
+def find_runs(paths: list[Path]) -> list[Run]:
+    dirs: list[Path] = []
+    for p in paths:
+        if not p.exists():
+            raise ReportError(f"{p}: no such run directory")
+        if (p / "run_info.json").is_file():
+            dirs.append(p)
+            continue
+        found = sorted(q.parent for q in p.rglob("run_info.json") if (q.parent / "metrics.jsonl").is_file())
+        if not found:
+            raise ReportError(f"{p}: holds no run (no run_info.json with a metrics.jsonl beside it)")
+        dirs.extend(found)
+    runs = []
+    for d in dict.fromkeys(dirs):
+        run = load_run(d)
+        if run is None:
+            print(f"grt-report: skipping {d}: no evaluation yet", file=sys.stderr)
+        else:
+            runs.append(run)
+    return runs

@@ -1,0 +1,116 @@
+"""The report's markdown: the cell table, loss vs R, gate diagnostics, MoR routing, ablations."""
+
+from __future__ import annotations
+
+import math
+
+
+def _fmt_std(mean: float, std: float) -> str:
+    return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
+
+
+def _fmt_unfinished(row: dict) -> str:
+    return f" ({row['unfinished']} unfinished)" if row["unfinished"] else ""
+
+
+def _fmt_delta(row: dict, name: str = "delta_vs_dense") -> str:
+    if row[f"{name}_mean"] is None or row["variant"] == "dense":
+        return ""
+    mean, std = row[f"{name}_mean"], row[f"{name}_std"]
+    return f"{mean:+.4f}" if math.isnan(std) else f"{mean:+.4f} ± {std:.4f}"
+
+
+def _label(row: dict) -> str:
+    """The cell's name, with its budget where it is not the 1× one."""
+    return row["cell"] + ("" if row["budget"] == 1.0 else f" ({row['budget']:g}×)")
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f}"
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    lines = ["# Experiment report", "", f"Produced by `{command}`.", "",
+             "Validation loss per token at the trained R with noise off, over each cell's seeds (mean ± sample "
+             "std); best = lowest over the run's evaluations. FLOPs per token are training FLOPs (3 × forward; "
+             "nominal at the configured R, executed = mean over the steps of the R each step ran).", "",
+             "Δ vs dense is the best validation loss minus the dense cell's of the same scale and budget, seed by "
+             "seed (same data order and validation windows), mean ± std over the paired seeds.", "",
+             "| cell | comparison | shape | params | FLOPs/token nominal | FLOPs/token executed | tokens | seeds "
+             "| best val loss | final val loss | Δ vs dense |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {_label(r)} | {r['comparison']} | {r['shape']} | {_si(r['parameters'])} | "
+            f"{_si(r['flops_per_token_nominal'])} | {_si(r['flops_per_token_executed'])} | {_si(r['tokens'])} | "
+            f"{len(r['seeds'])}{_fmt_unfinished(r)} | "
+            f"{_fmt_std(r['best_valid_mean'], r['best_valid_std'])} | "
+            f"{_fmt_std(r['final_valid_mean'], r['final_valid_std'])} | {_fmt_delta(r)} |")
+    swept = [r for r in rows if len(r["depth_sweep"]) > 1]
+    if swept:
+        top = max(max(r["depth_sweep"]) for r in swept)
+        lines += ["", "## Loss vs recurrences at inference", "",
+                  "Validation loss when the trained model runs R recurrences (mean over seeds); **bold** is the "
+                  "trained R.", "", "| cell | " + " | ".join(f"R={k}" for k in range(1, top + 1)) + " |",
+                  "|---|" + "---:|" * top]
+        for r in swept:
+            cells = []
+            for k in range(1, top + 1):
+                v = r["depth_sweep"].get(k)
+                text = "" if v is None else f"{v:.4f}"
+                cells.append(f"**{text}**" if k == r["recurrences"] and text else text)
+            lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
+    gated = [r for r in rows if any(k.startswith("gate_mean_r") for k in r["diagnostics"])]
+    if gated:
+        depth = max(int(k.rsplit("_r", 1)[1]) for r in gated for k in r["diagnostics"])
+        lines += ["", "## Gate and state update at the last evaluation", "",
+                  "Per recurrence r: mean gate value g (or MoR's router weight) / relative state update "
+                  "‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ (first validation micro-batch, mean over seeds). A gate that "
+                  "stays at its initial sigmoid(4) ≈ 0.982 has not learned.", "",
+                  "| cell | " + " | ".join(f"r={k}" for k in range(1, depth + 1)) + " |", "|---|" + "---:|" * depth]
+        for r in gated:
+            d = r["diagnostics"]
+            cells = [f"{d[f'gate_mean_r{k}']:.3f} / {d[f'relative_update_r{k}']:.3f}"
+                     if f"gate_mean_r{k}" in d and f"relative_update_r{k}" in d else "" for k in range(1, depth + 1)]
+            lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
+    routed = [r for r in rows if r["other_routing"]]
+    if routed:
+        depth = max(int(k.rsplit("_r", 1)[1]) for r in routed for k in r["diagnostics"]
+                    if k.startswith("active_fraction_r"))
+        lines += ["", "## MoR: routing at evaluation", "",
+                  "Training routes by per-sequence top-k, which compares each token's router score with later "
+                  "tokens' scores; the causal rule a decoder can use keeps a token while its router's sigmoid is "
+                  "> 0.5 (`model.mor_eval_routing`, `threshold` by default; the tables above use it). Best "
+                  "validation loss under each rule (mean ± std over seeds), and the share of tokens that ran each "
+                  "recursion under the run's own rule at the last evaluation.", "",
+                  "| cell | reported rule | " + " | ".join(
+                      k.removeprefix("loss_").removesuffix("_routing") for k in routed[0]["other_routing"])
+                  + " | " + " | ".join(f"active r={k}" for k in range(1, depth + 1)) + " |",
+                  "|---|---:|" + "---:|" * (len(routed[0]["other_routing"]) + depth)]
+        for r in routed:
+            others = [_fmt_std(*r["other_routing"][k]) for k in routed[0]["other_routing"]]
+            active = [f"{r['diagnostics'][f'active_fraction_r{k}']:.2f}"
+                      if f"active_fraction_r{k}" in r["diagnostics"] else "" for k in range(1, depth + 1)]
+            lines.append(f"| {r['cell']} | {_fmt_std(r['best_valid_mean'], r['best_valid_std'])} | "
+                         + " | ".join(others + active) + " |")
+    vs_grt = [r for r in rows if r["delta_vs_grt_seeds"]]
+    if vs_grt:
+        lines += ["", "## Ablations and baselines vs the GRT", "",
+                  "Best validation loss minus the GRT cell's of the same scale, budget and comparison, seed by "
+                  "seed. A model piece is initialised from a stream keyed by the seed and the piece's name, so "
+                  "same-seed runs of one family start from the same weights wherever they share pieces and see "
+                  "the same batches: the two runs differ by the switch and what it changes downstream. (Dense "
+                  "shares no piece with a recurrent model, so pairing with it shares only the batches.)", "",
+                  "| cell | shape | Δ vs GRT | per seed |", "|---|---|---:|---|"]
+        for r in vs_grt:
+            seeds = ", ".join(f"{seed}: {d:+.4f}" for seed, d in sorted(r["delta_vs_grt_by_seed"].items()))
+            lines.append(f"| {_label(r)} | {r['shape']} | {_fmt_delta(r, 'delta_vs_grt')} | {seeds} |")
+    lines += ["", "![validation loss curves](loss_curves.png)", ""]
+    if any(r["variant"] != "dense" and r["delta_vs_dense_seeds"] for r in rows):
+        lines += ["![difference to dense, seed by seed](delta_vs_dense.png)", ""]
+    if swept:
+        lines += ["![loss vs R at inference](loss_vs_r.png)", ""]
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""The report's PNG plots (matplotlib, no display), each written whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+from grt_megatron.report.load import Run
+from grt_megatron.report.markdown import _label
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _pyplot():
+    """matplotlib without a display (SLURM nodes, CI); imported only when a plot is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    _write_atomic(path, lambda p: fig.savefig(p, dpi=120, format="png"))
+    plt.close(fig)
+
+
+def plot_loss_curves(runs: list[Run], rows: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    # The dense reference ("both") is drawn in every comparison's panel rather than in one of its own.
+    comparisons = sorted({r["comparison"] for r in rows} - {"both"}) or ["both"]
+    fig, axes = plt.subplots(1, len(comparisons), figsize=(6.5 * len(comparisons), 4.5), squeeze=False)
+    by_cell: dict[tuple[str, float], list[Run]] = {}
+    for run in runs:
+        by_cell.setdefault((run.cell, run.budget), []).append(run)
+    for ax, comparison in zip(axes[0], comparisons):
+        for row in rows:
+            if row["comparison"] not in (comparison, "both"):
+                continue
+            group = by_cell[(row["cell"], row["budget"])]
+            n = min(len(r.valid) for r in group)
+            xs = [group[0].valid[i][0] for i in range(n)]
+            ys = [statistics.fmean(r.valid[i][1] for r in group) for i in range(n)]
+            ax.plot(xs, ys, marker="o", markersize=3, label=_label(row))
+            if len(group) > 1:
+                lo = [min(r.valid[i][1] for r in group) for i in range(n)]
+                hi = [max(r.valid[i][1] for r in group) for i in range(n)]
+                ax.fill_between(xs, lo, hi, alpha=0.15)
+        ax.set_title(f"validation loss ({comparison})")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("loss (nats/token)")
+        # The interesting part is the end of training; the first evaluations would flatten it.
+        finals = [r.final_valid for r in runs]
+        ax.set_ylim(min(finals) - 0.05, max(r.valid[min(2, len(r.valid) - 1)][1] for r in runs) + 0.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _save_figure(fig, path)
+
+
+def plot_loss_vs_r(rows: list[dict], path: Path) -> bool:
+    swept = [r for r in rows if len(r["depth_sweep"]) > 1]
+    if not swept:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in swept:
+        ks = sorted(r["depth_sweep"])
+        line, = ax.plot(ks, [r["depth_sweep"][k] for k in ks], marker="o", markersize=3, label=r["cell"])
+        if r["recurrences"] in r["depth_sweep"]:
+            ax.plot([r["recurrences"]], [r["depth_sweep"][r["recurrences"]]], marker="*", markersize=12,
+                    color=line.get_color())
+    ax.set_xlabel("recurrences at inference (★ trained R)")
+    ax.set_ylabel("validation loss")
+    # One badly under-recurred cell (a plain shared layer at R = 1 is ~1.4 nats worse) would flatten every
+    # other curve to a line: cut the axis a little above the worst loss at a trained R.
+    values = [v for r in swept for v in r["depth_sweep"].values()]
+    at_trained = [r["depth_sweep"][r["recurrences"]] for r in swept if r["recurrences"] in r["depth_sweep"]]
+    top = max(at_trained, default=max(values)) + 0.2
+    if max(values) > top:
+        ax.set_ylim(min(values) - 0.02, top)
+        ax.set_title(f"under- and over-recurrence (axis cut at {top:.2f}; all values in report.md)", fontsize=10)
+    else:
+        ax.set_title("under- and over-recurrence")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save_figure(fig, path)
+    return True
+
+
+def plot_delta_vs_dense(rows: list[dict], path: Path) -> bool:
+    """Each cell's best validation loss minus dense's, seed by seed (dots) and their mean (bar)."""
+    paired = [r for r in rows if r["variant"] != "dense" and r["delta_vs_dense_seeds"]]
+    if not paired:
+        return False
+    plt = _pyplot()
+    paired = sorted(paired, key=lambda r: (r["budget"], r["delta_vs_dense_mean"]))
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(paired) + 1.5))
+    for y, r in enumerate(paired):
+        ax.barh(y, r["delta_vs_dense_mean"], color="tab:red" if r["delta_vs_dense_mean"] > 0 else "tab:green",
+                alpha=0.4)
+        seeds = r["delta_vs_dense_by_seed"]
+        ax.plot(list(seeds.values()), [y] * len(seeds), "o", color="black", markersize=3)
+    ax.set_yticks(range(len(paired)), [_label(r) for r in paired], fontsize=8)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("best validation loss − dense's, same seed\n(nats/token; dots: seeds, bar: their mean)")
+    ax.set_title("Δ vs dense (left of 0: better than dense)")
+    ax.grid(alpha=0.3, axis="x")
+    _save_figure(fig, path)
+    return True

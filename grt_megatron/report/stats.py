@@ -1,0 +1,77 @@
+"""Cells of runs: mean ± std over seeds, and differences to dense and to the GRT, paired seed by seed."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from grt_megatron.report.load import Run
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else float("nan"))
+
+
+def summarize(runs: list[Run]) -> list[dict[str, Any]]:
+    cells: dict[tuple[str, float], list[Run]] = {}
+    for run in runs:
+        cells.setdefault((run.cell, run.budget), []).append(run)
+    rows = []
+    for (cell, budget), group in cells.items():
+        group.sort(key=lambda r: r.seed)
+        best, best_std = _mean_std([r.best_valid for r in group])
+        final, final_std = _mean_std([r.final_valid for r in group])
+        depths = sorted(set.intersection(*(set(r.depth_sweep) for r in group)))
+        first = group[0]
+        rows.append({
+            "cell": cell, "budget": budget, "comparison": first.comparison, "variant": first.variant,
+            "shape": first.shape, "recurrences": first.recurrences, "parameters": first.parameters,
+            "flops_per_token_nominal": first.flops_nominal,
+            "flops_per_token_executed": statistics.fmean(r.flops_executed for r in group),
+            "tokens": statistics.fmean(r.tokens for r in group), "seeds": [r.seed for r in group],
+            "unfinished": sum(not r.finished for r in group),
+            "best_valid_mean": best, "best_valid_std": best_std, "final_valid_mean": final,
+            "final_valid_std": final_std,
+            "depth_sweep": {r: statistics.fmean(run.depth_sweep[r] for run in group) for r in depths},
+            "diagnostics": {k: statistics.fmean(r.diagnostics[k] for r in group)
+                            for k in sorted(set.intersection(*(set(r.diagnostics) for r in group)))},
+            "other_routing": {k: _mean_std([r.other_routing[k] for r in group])
+                              for k in sorted(set.intersection(*(set(r.other_routing) for r in group)))},
+            "runs": [str(r.path) for r in group],
+        })
+    _paired_with_dense(rows, cells)
+    _paired_with_grt(rows, cells)
+    rows.sort(key=lambda row: (row["budget"], row["best_valid_mean"]))
+    return rows
+
+
+def _paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
+    """Best validation loss minus the dense cell's (same scale and budget), seed by seed: the seed fixes the
+    data order (and, where `data.valid_seed` is unset, the validation windows) for both runs."""
+    _paired(rows, cells, "delta_vs_dense", lambda run: run.variant == "dense", lambda run: (run.scale,),
+            pair_reference=True)
+
+
+def _paired_with_grt(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
+    """Best validation loss minus the GRT cell's of the same scale, budget and comparison, seed by seed, for
+    every other recurrent cell (ablations, baselines). Each piece of the model is initialised from a stream
+    keyed by the seed and the piece's name (`model/init.py`), so an ablation starts from the GRT's weights
+    wherever it has the same pieces and sees the same batches: the paired runs differ by the switch and what
+    it changes downstream, while dense, whose pieces all differ, shares only the batches."""
+    _paired(rows, cells, "delta_vs_grt", lambda run: run.variant == "grt", lambda run: (run.scale, run.comparison),
+            pair_reference=False)
+
+
+def _paired(rows, cells, name: str, is_reference, key, pair_reference: bool) -> None:
+    """`{name}_mean/_std/_seeds/_by_seed` on every row whose reference cell (`is_reference`, same `key` and
+    budget) has runs of the same seeds. `pair_reference`: give the reference its own zero differences too."""
+    references = {(*key(g[0]), budget): {r.seed: r.best_valid for r in g}
+                  for (cell, budget), g in cells.items() if is_reference(g[0])}
+    for row in rows:
+        group = cells[(row["cell"], row["budget"])]
+        skip = is_reference(group[0]) and not pair_reference
+        reference = None if skip else references.get((*key(group[0]), row["budget"]))
+        diffs = {r.seed: r.best_valid - reference[r.seed] for r in group if reference and r.seed in reference}
+        row[f"{name}_mean"], row[f"{name}_std"] = _mean_std(list(diffs.values())) if diffs else (None, None)
+        row[f"{name}_seeds"] = len(diffs)
+        row[f"{name}_by_seed"] = diffs
