@@ -6,6 +6,7 @@ Dense GPT is `gate="none", injection="none", recurrences=1` (see `GRTConfig.dens
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -236,41 +237,12 @@ class GRTConfig(TransformerConfig):
         raise ConfigError(f"activation {self.activation_func} has no recipe name")
 
 
-# Fields a recipe may set. Everything else in TransformerConfig keeps megatron-core's default.
-RECIPE_FIELDS = (
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "normalization",
-    "activation",
-    "add_bias_linear",
-    "hidden_dropout",
-    "attention_dropout",
-    "init_method_std",
-    "layernorm_epsilon",
-    "vocab_size",
-    "max_sequence_length",
-    "prelude_layers",
-    "core_layers",
-    "coda_layers",
-    "recurrences",
-    "injection",
-    "gate",
-    "gate_bias_init",
-    "gate_temperature",
-    "noise_sigma",
-    "noise_shape",
-    "initial_state",
-    "initial_state_std",
-    "tie_embeddings",
-    "position_embedding",
-    "rotary_base",
-    "depth_sampler",
-    "heavy_tail_sigma",
-    "heavy_tail_k",
-    "routing",
-    "router_aux_loss_coeff",
-    "mor_eval_routing",
-    "checkpoint_recurrence",
-    "make_vocab_size_divisible_by",
+# Fields a recipe may set: these megatron-core TransformerConfig fields, then every field GRTConfig declares
+# (in declaration order, so the list is written once: adding a GRTConfig field makes it a recipe field).
+# Everything else in TransformerConfig keeps megatron-core's default.
+MEGATRON_RECIPE_FIELDS = (
+    "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization", "activation", "add_bias_linear",
+    "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon",
 )
+RECIPE_FIELDS = MEGATRON_RECIPE_FIELDS + tuple(
+    f.name for f in dataclasses.fields(GRTConfig) if f.name not in {g.name for g in dataclasses.fields(TransformerConfig)})
