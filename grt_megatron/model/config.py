@@ -244,5 +244,6 @@ MEGATRON_RECIPE_FIELDS = (
     "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization", "activation", "add_bias_linear",
     "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon",
 )
+_MEGATRON_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
 RECIPE_FIELDS = MEGATRON_RECIPE_FIELDS + tuple(
-    f.name for f in dataclasses.fields(GRTConfig) if f.name not in {g.name for g in dataclasses.fields(TransformerConfig)})
+    f.name for f in dataclasses.fields(GRTConfig) if f.name not in _MEGATRON_FIELDS)

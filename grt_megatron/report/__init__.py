@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Optional
 
 from grt_megatron.report.load import ReportError, Run, find_runs, load_run
-from grt_megatron.report.markdown import _fmt_std, markdown
+from grt_megatron.report.markdown import fmt_mean_std, markdown
 from grt_megatron.report.plots import (
-    _write_atomic,
     plot_delta_vs_dense,
     plot_loss_curves,
     plot_loss_vs_r,
+    write_atomic,
 )
 from grt_megatron.report.stats import summarize
 
@@ -38,8 +38,8 @@ def write_report(runs: list[Run], output: Path, command: str) -> list[dict]:
     for name, plot in (("loss_vs_r.png", plot_loss_vs_r), ("delta_vs_dense.png", plot_delta_vs_dense)):
         if not plot(rows, output / name) and (output / name).exists():
             (output / name).unlink()  # a stale plot from an earlier report of other runs
-    _write_atomic(output / "summary.json", lambda p: p.write_text(json.dumps(rows, indent=2) + "\n"))
-    _write_atomic(output / "report.md", lambda p: p.write_text(markdown(rows, command)))
+    write_atomic(output / "summary.json", lambda p: p.write_text(json.dumps(rows, indent=2) + "\n"))
+    write_atomic(output / "report.md", lambda p: p.write_text(markdown(rows, command)))
     return rows
 
 
@@ -60,4 +60,4 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(2)
     print(f"{len(runs)} runs in {len(rows)} cells -> {args.output / 'report.md'}")
     for r in rows:
-        print(f"  {r['cell']:<36} {_fmt_std(r['best_valid_mean'], r['best_valid_std'])}")
+        print(f"  {r['cell']:<36} {fmt_mean_std(r['best_valid_mean'], r['best_valid_std'])}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 
-def _fmt_std(mean: float, std: float) -> str:
+def fmt_mean_std(mean: float, std: float) -> str:
     return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
 
 
@@ -20,7 +20,7 @@ def _fmt_delta(row: dict, name: str = "delta_vs_dense") -> str:
     return f"{mean:+.4f}" if math.isnan(std) else f"{mean:+.4f} ± {std:.4f}"
 
 
-def _label(row: dict) -> str:
+def cell_label(row: dict) -> str:
     """The cell's name, with its budget where it is not the 1× one."""
     return row["cell"] + ("" if row["budget"] == 1.0 else f" ({row['budget']:g}×)")
 
@@ -44,11 +44,11 @@ def markdown(rows: list[dict], command: str) -> str:
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {_label(r)} | {r['comparison']} | {r['shape']} | {_si(r['parameters'])} | "
+            f"| {cell_label(r)} | {r['comparison']} | {r['shape']} | {_si(r['parameters'])} | "
             f"{_si(r['flops_per_token_nominal'])} | {_si(r['flops_per_token_executed'])} | {_si(r['tokens'])} | "
             f"{len(r['seeds'])}{_fmt_unfinished(r)} | "
-            f"{_fmt_std(r['best_valid_mean'], r['best_valid_std'])} | "
-            f"{_fmt_std(r['final_valid_mean'], r['final_valid_std'])} | {_fmt_delta(r)} |")
+            f"{fmt_mean_std(r['best_valid_mean'], r['best_valid_std'])} | "
+            f"{fmt_mean_std(r['final_valid_mean'], r['final_valid_std'])} | {_fmt_delta(r)} |")
     swept = [r for r in rows if len(r["depth_sweep"]) > 1]
     if swept:
         top = max(max(r["depth_sweep"]) for r in swept)
@@ -91,10 +91,10 @@ def markdown(rows: list[dict], command: str) -> str:
                   + " | " + " | ".join(f"active r={k}" for k in range(1, depth + 1)) + " |",
                   "|---|---:|" + "---:|" * (len(routed[0]["other_routing"]) + depth)]
         for r in routed:
-            others = [_fmt_std(*r["other_routing"][k]) for k in routed[0]["other_routing"]]
+            others = [fmt_mean_std(*r["other_routing"][k]) for k in routed[0]["other_routing"]]
             active = [f"{r['diagnostics'][f'active_fraction_r{k}']:.2f}"
                       if f"active_fraction_r{k}" in r["diagnostics"] else "" for k in range(1, depth + 1)]
-            lines.append(f"| {r['cell']} | {_fmt_std(r['best_valid_mean'], r['best_valid_std'])} | "
+            lines.append(f"| {r['cell']} | {fmt_mean_std(r['best_valid_mean'], r['best_valid_std'])} | "
                          + " | ".join(others + active) + " |")
     vs_grt = [r for r in rows if r["delta_vs_grt_seeds"]]
     if vs_grt:
@@ -107,7 +107,7 @@ def markdown(rows: list[dict], command: str) -> str:
                   "| cell | shape | Δ vs GRT | per seed |", "|---|---|---:|---|"]
         for r in vs_grt:
             seeds = ", ".join(f"{seed}: {d:+.4f}" for seed, d in sorted(r["delta_vs_grt_by_seed"].items()))
-            lines.append(f"| {_label(r)} | {r['shape']} | {_fmt_delta(r, 'delta_vs_grt')} | {seeds} |")
+            lines.append(f"| {cell_label(r)} | {r['shape']} | {_fmt_delta(r, 'delta_vs_grt')} | {seeds} |")
     lines += ["", "![validation loss curves](loss_curves.png)", ""]
     if any(r["variant"] != "dense" and r["delta_vs_dense_seeds"] for r in rows):
         lines += ["![difference to dense, seed by seed](delta_vs_dense.png)", ""]

@@ -7,10 +7,10 @@ import statistics
 from pathlib import Path
 
 from grt_megatron.report.load import Run
-from grt_megatron.report.markdown import _label
+from grt_megatron.report.markdown import cell_label
 
 
-def _write_atomic(path: Path, write) -> None:
+def write_atomic(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
     os.replace(tmp, path)
@@ -30,7 +30,7 @@ def _save_figure(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    _write_atomic(path, lambda p: fig.savefig(p, dpi=120, format="png"))
+    write_atomic(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     plt.close(fig)
 
 
@@ -50,7 +50,7 @@ def plot_loss_curves(runs: list[Run], rows: list[dict], path: Path) -> None:
             n = min(len(r.valid) for r in group)
             xs = [group[0].valid[i][0] for i in range(n)]
             ys = [statistics.fmean(r.valid[i][1] for r in group) for i in range(n)]
-            ax.plot(xs, ys, marker="o", markersize=3, label=_label(row))
+            ax.plot(xs, ys, marker="o", markersize=3, label=cell_label(row))
             if len(group) > 1:
                 lo = [min(r.valid[i][1] for r in group) for i in range(n)]
                 hi = [max(r.valid[i][1] for r in group) for i in range(n)]
@@ -109,7 +109,7 @@ def plot_delta_vs_dense(rows: list[dict], path: Path) -> bool:
                 alpha=0.4)
         seeds = r["delta_vs_dense_by_seed"]
         ax.plot(list(seeds.values()), [y] * len(seeds), "o", color="black", markersize=3)
-    ax.set_yticks(range(len(paired)), [_label(r) for r in paired], fontsize=8)
+    ax.set_yticks(range(len(paired)), [cell_label(r) for r in paired], fontsize=8)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("best validation loss − dense's, same seed\n(nats/token; dots: seeds, bar: their mean)")

@@ -53,11 +53,10 @@ def docstrings(min_words: int) -> list[str]:
 
 
 def cloze_items(docs: list[str], count: int, rng: random.Random) -> list[dict]:
-    items = []
-    for i, doc in enumerate(docs[:count]):
-        words = doc.split()
+    items, split = [], [d.split() for d in docs]
+    for i, words in enumerate(split[:count]):
         context, answer = words[:CONTEXT_WORDS], words[CONTEXT_WORDS:CONTEXT_WORDS + SPAN_WORDS]
-        others = [d.split() for j, d in enumerate(docs) if j != i]
+        others = split[:i] + split[i + 1:]
         distractors = []
         for other in rng.sample(others, DISTRACTORS):
             start = rng.randrange(0, len(other) - SPAN_WORDS + 1)
