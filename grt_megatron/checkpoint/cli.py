@@ -23,6 +23,7 @@ from grt_megatron.checkpoint.store import (
     write_file,
 )
 from grt_megatron.console import quiet_known_warnings
+from grt_megatron.files import write_atomic
 
 
 def _layout(state: dict) -> str:
@@ -89,9 +90,7 @@ def cmd_consolidate(args) -> int:
     from grt_megatron.checkpoint.consolidate import consolidate
 
     tensors, meta = consolidate(Path(args.checkpoint), args.optimizer)
-    tmp = output.with_name(f".{output.name}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(output)
+    write_atomic(output, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
     params = sum(t.numel() for k, t in tensors.items() if "/" not in k)
     print(f"wrote {output}: {len([k for k in tensors if '/' not in k])} tensors, {params:,} parameters (fp32)"
           + (", with Adam moments" if args.optimizer else ""))

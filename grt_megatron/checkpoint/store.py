@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from grt_megatron.files import fsync_dir, write_atomic
+
 FORMAT = "grt-megatron-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -96,14 +98,6 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
@@ -128,15 +122,7 @@ def file_entry(path: Path) -> dict[str, Any]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write_file(tmp, text.encode())
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):  # a half-written temporary file would only take up room
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
+    write_atomic(path, text, durable=True)
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from grt_megatron.data.sources import DataError
+from grt_megatron.files import fsync_dir
 
 META_SUFFIX = ".meta.json"
 TOKENIZER_SUFFIX = ".tokenizer.model"
@@ -116,19 +117,6 @@ def token_dtype(vocab_size: int) -> type:
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:  # the renames themselves survive a crash only once their folder is synced
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems do not sync folders
-        pass
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -255,7 +243,7 @@ class IndexedDatasetWriter:
             for key in ("bin", "meta", "idx"):
                 os.replace(self.tmp[key], self.final[key])
             self._done = self.committed = True
-        _fsync_dir(self.final["idx"].parent)
+        fsync_dir(self.final["idx"].parent, strict=False)
         return meta
 
     def abort(self) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from grt_megatron.data.sources import DataError, EmptyCorpusError
+from grt_megatron.files import write_atomic
 
 TRAIN_SAMPLE_BYTES = 200_000_000
 """The tokenizer is trained on at most this much text from the start of the corpus."""
@@ -138,15 +139,7 @@ class SentencePieceTokenizer(Tokenizer):
         return cls(buf.getvalue(), f"trained {model_type} {vocab_size}")
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            tmp.write_bytes(self.model_proto)
-            os.replace(tmp, path)
-        except BaseException:  # a full disk or a Ctrl-C leaves no half-written file behind
-            tmp.unlink(missing_ok=True)
-            raise
-        return path
+        return write_atomic(path, self.model_proto)
 
     @property
     def vocab_size(self) -> int:

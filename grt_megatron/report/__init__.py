@@ -18,13 +18,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from grt_megatron.files import write_atomic
 from grt_megatron.report.load import ReportError, Run, find_runs, load_run
 from grt_megatron.report.markdown import fmt_mean_std, markdown
 from grt_megatron.report.plots import (
     plot_delta_vs_dense,
     plot_loss_curves,
     plot_loss_vs_r,
-    write_atomic,
 )
 from grt_megatron.report.stats import summarize
 

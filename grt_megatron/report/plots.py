@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 from pathlib import Path
 
+from grt_megatron.files import write_atomic
 from grt_megatron.report.load import Run
 from grt_megatron.report.markdown import cell_label
-
-
-def write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def _pyplot():
