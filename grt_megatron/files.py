@@ -32,7 +32,8 @@ def write_atomic(path: Union[str, os.PathLike], contents: Union[str, bytes, Call
     """Write `contents` (text, bytes, or a function that writes the file it is given) to `path` atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # NAME.tmp: grt-prepare-data removes a dead run's temporaries by that name (data/indexed.py).
+    tmp = path.with_name(path.name + ".tmp")
     try:
         if isinstance(contents, str):
             tmp.write_text(contents, encoding="utf-8")
