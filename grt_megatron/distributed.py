@@ -16,6 +16,7 @@ from megatron.core import parallel_state, tensor_parallel
 from grt_megatron.cpu_shims import apply_cpu_shims
 from grt_megatron.device import configure_cuda, process_group_backend, run_device
 from grt_megatron.model.config import ConfigError
+from grt_megatron.parallel.layout import data_parallel_size
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,7 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_minutes: i
     export_launcher_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by parallel.tp × parallel.pp = {tp * pp}")
+    data_parallel_size(world, tp, pp)  # the layout check's own rule, before megatron asserts it
     configure_cuda(tp, deterministic)
     device = run_device()
     if device.type == "cuda":

@@ -10,7 +10,10 @@ from hydra import compose, initialize_config_dir
 
 from grt_megatron.model import GRTLanguageModel, count_parameters
 from grt_megatron.model.language_model import causal_attention_mask
-from grt_megatron.model.recurrent_block import StepInputs
+from grt_megatron.model.config import mor_capacity
+from grt_megatron.model.diagnostics import recording_recurrence_stats
+from grt_megatron.model.layers import StepInputs, run_layers
+from grt_megatron.model.mor import run_mor
 
 
 def _forward_backward(model, vocab):
@@ -45,16 +48,15 @@ def test_no_gate_ablations_follow_their_update_rule(world, gate):
     h, h_pre = torch.randn(s, 2, d), torch.randn(s, 2, d)
     inputs = StepInputs(causal_attention_mask(s, h.device))
     with torch.no_grad():
-        o = block._run(block.core, block._inject(h, h_pre), inputs)
+        o = run_layers(block.core, block._inject(h, h_pre), inputs)
         got = block.recurrence_step(h, h_pre, inputs, step=0)
     g = torch.sigmoid(torch.tensor(config.gate_bias_init / config.gate_temperature))
     want = h + o if gate == "residual" else g * h + (1 - g) * o
     assert torch.allclose(got, want, atol=1e-6)
-    block.step_stats = []
-    with torch.no_grad():
+    with torch.no_grad(), recording_recurrence_stats(block) as stats:
         block.recurrence_step(h, h_pre, inputs, step=0)
     if gate == "fixed":
-        assert block.step_stats[0]["gate_mean"] == pytest.approx(0.982, abs=1e-3)  # sigmoid(4), every step
+        assert stats[0]["gate_mean"] == pytest.approx(0.982, abs=1e-3)  # sigmoid(4), every step
     _forward_backward(GRTLanguageModel(config).train(), config.vocab_size)
 
 
@@ -82,17 +84,17 @@ def test_mor_router_capacity_shrinks_with_depth_and_leavers_skip_later_recursion
     h = torch.randn(s, 3, d, generator=torch.Generator().manual_seed(0))
     inputs = StepInputs(causal_attention_mask(s, h.device))
     with torch.no_grad():
-        outs = [block.run_mor(h, inputs, r) for r in range(1, 5)]
+        outs = [run_mor(block, h, inputs, r) for r in range(1, 5)]
     # Capacities ceil(S·(R−r+1)/R) = 16, 12, 8, 4; each router sees the previous recursion's tokens.
     assert core_tokens == [16, 16, 12, 16, 12, 8, 16, 12, 8, 4]
     assert router_tokens == [16, 16, 16, 16, 16, 12, 16, 16, 12, 8]
-    assert [block.mor_capacity(s, 4, r) for r in range(4)] == [16, 12, 8, 4]
+    assert [mor_capacity(s, 4, r) for r in range(4)] == [16, 12, 8, 4]
     # Running one more recursion changes exactly that recursion's tokens, and only tokens that were
     # still active: a token that left never changes again.
     moved_before = torch.ones(s, 3, dtype=torch.bool)
     for r in range(1, 4):
         moved = (outs[r] != outs[r - 1]).any(-1)
-        assert (moved.sum(0) == block.mor_capacity(s, 4, r)).all()
+        assert (moved.sum(0) == mor_capacity(s, 4, r)).all()
         assert not (moved & ~moved_before).any()
         moved_before = moved
 
@@ -127,9 +129,9 @@ def test_mor_threshold_routing_is_causal_and_per_sequence(world):
     with torch.no_grad():
         h = model.embedding(input_ids=tokens, position_ids=torch.arange(s).expand(4, s))
         inputs = StepInputs(causal_attention_mask(s, h.device))
-        h = block._run(block.prelude, h, inputs)
-        outs = [block.run_mor(h, inputs, r) for r in range(5)]
-        alone = [block.run_mor(h[:, i : i + 1], inputs, 4) for i in range(4)]
+        h = run_layers(block.prelude, h, inputs)
+        outs = [run_mor(block, h, inputs, r) for r in range(5)]
+        alone = [run_mor(block, h[:, i : i + 1], inputs, 4) for i in range(4)]
     assert torch.allclose(torch.cat(alone, dim=1), outs[4], atol=1e-6)
     active = torch.ones(s, 4, dtype=torch.bool)
     counts = []

@@ -23,7 +23,7 @@ def _engine(world_size: int = 1):
 
     from grt_megatron.model import GRTLanguageModel
     from grt_megatron.training.config import build_run_config
-    from grt_megatron.training.engine import build_engine
+    from grt_megatron.parallel.deepspeed_engine import build_engine
 
     model = dict(hidden_size=64, num_attention_heads=4, max_sequence_length=32, prelude_layers=1, core_layers=1,
                  coda_layers=1, recurrences=2, add_bias_linear=False)

@@ -6,7 +6,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import REPO, tiny_config
-from grt_megatron.model.recurrent_block import StepInputs
+from grt_megatron.model.diagnostics import recording_recurrence_stats
+from grt_megatron.model.layers import StepInputs, run_layers
+from grt_megatron.model.noise import recurrence_noise
 from grt_megatron.model import (ConfigError, GRTConfig, GRTLanguageModel, count_parameters,
                                 forward_flops_per_token, train_flops_per_token, DepthDraw)
 
@@ -76,9 +78,9 @@ def test_flops_match_paper_formula():
 
 def test_gate_is_about_0_98_at_init(world):
     model = build(tiny_config(recurrences=4)).eval()
-    model.block.step_stats = []
-    model(tokens())
-    gates = [s["gate_mean"] for s in model.block.step_stats]
+    with recording_recurrence_stats(model.block) as stats:
+        model(tokens())
+    gates = [s["gate_mean"] for s in stats]
     assert len(gates) == 4
     for g in gates:
         assert g == pytest.approx(torch.sigmoid(torch.tensor(4.0)).item(), abs=0.01)  # 0.982
@@ -101,7 +103,7 @@ def test_noise_shapes(world, shape):
     model = build(tiny_config(noise_shape=shape)).train()
     h = torch.zeros(16, 2, 64)
     for seeds in (None, [11, 12]):
-        eps = model.block._noise(h, StepInputs(None, None, seeds), step=0, kind=0)
+        eps = recurrence_noise(model.config, model.training, h, seeds, step=0, kind=0)
         assert eps.shape == ((16, 2, 1) if shape == "per_token" else (16, 2, 64))
         assert 0.03 < eps.std().item() < 0.3
 
@@ -117,7 +119,7 @@ def test_keyed_noise_follows_the_sample_not_the_batch(world):
     assert not torch.allclose(together, model(x, x, noise_seeds=[101, 202, 304]), atol=1e-5)
     # The steps and the two noise kinds draw different values.
     h = torch.zeros(4, 1, 8)
-    draws = [model.block._noise(h, StepInputs(None, None, [7]), step, kind) for step in (0, 1) for kind in (0, 1)]
+    draws = [recurrence_noise(model.config, True, h, [7], step, kind) for step in (0, 1) for kind in (0, 1)]
     assert len({d.sum().item() for d in draws}) == 4
 
 
@@ -146,7 +148,7 @@ def test_gate_blends_state_and_core_output(world):
         assert torch.allclose(block.recurrence_step(h_pre, h_pre, inputs, 0), h_pre)
         block.gate_fc2.bias.fill_(-60.0)
         x, _ = block.injection(torch.cat([h_pre, h_pre], dim=-1))
-        o = block._run(block.core, x, inputs)
+        o = run_layers(block.core, x, inputs)
         # h + (1−g)·(o − h) with 1−g = 1 is o up to the rounding of h + (o − h) (|h| ~ 1: ~1e-7).
         assert torch.allclose(block.recurrence_step(h_pre, h_pre, inputs, 0), o, atol=1e-6)
 

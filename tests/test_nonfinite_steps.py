@@ -36,7 +36,7 @@ def test_nonfinite_gradients_change_nothing_in_every_optimizer_path(world, preci
     and the next finite step is applied."""
     from grt_megatron.model import GRTLanguageModel
     from grt_megatron.training.config import build_run_config
-    from grt_megatron.training.engine import build_engine
+    from grt_megatron.parallel.deepspeed_engine import build_engine
     from grt_megatron.training.step_guard import install_step_guard, master_weights, weights_are_finite
 
     run = build_run_config({"model": RECIPE, "data": {"source": "unused"},
@@ -151,7 +151,7 @@ def test_grad_clip_zero_is_off_and_differs_from_clipping(injected_reference, pyd
     """The reference above runs with grad_clip=0: had 0 zeroed the gradients (what it did without ZeRO),
     its loss would not move; clipping hard changes the curve from step 2 on."""
     from grt_megatron.training.config import build_run_config
-    from grt_megatron.training.engine import deepspeed_config
+    from grt_megatron.parallel.deepspeed_engine import deepspeed_config
 
     proc = run_cli([*_args(pydoc_prefix[0], 5, ["train.inject_nan_at=[3]", "train.grad_clip=0.05"]),
                     f"run.dir={tmp_path}"])

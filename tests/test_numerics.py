@@ -9,6 +9,8 @@ accumulate and reduce in fp32 (DeepSpeed's `data_types.grad_accum_dtype`, `commu
 import pytest
 import torch
 
+from grt_megatron.model.diagnostics import recording_recurrence_stats
+
 RECIPE = dict(hidden_size=64, num_attention_heads=4, vocab_size=300, max_sequence_length=32, prelude_layers=1,
               core_layers=1, coda_layers=1, recurrences=4, add_bias_linear=False, hidden_dropout=0.0,
               attention_dropout=0.0, noise_sigma=0.0, gate_bias_init=6.0)  # g ≈ 0.9975 at init
@@ -81,11 +83,9 @@ def test_bf16_eval_diagnostics_agree_with_fp32(world):
     tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
     stats = []
     for model in (fp32, bf16):
-        model.block.step_stats = []
-        with torch.no_grad():
+        with torch.no_grad(), recording_recurrence_stats(model.block) as recorded:
             model(tokens)
-        stats.append(model.block.step_stats)
-        model.block.step_stats = None
+        stats.append(recorded)
     for want, got in zip(*stats):
         assert got["gate_mean"] == pytest.approx(want["gate_mean"], abs=1e-3)
         assert got["relative_update"] == pytest.approx(want["relative_update"], rel=0.05)
@@ -100,7 +100,7 @@ def test_bf16_gradients_accumulate_and_reduce_in_fp32(world, zero_stage):
 
     from grt_megatron.model import GRTLanguageModel
     from grt_megatron.training.config import build_run_config
-    from grt_megatron.training.engine import build_engine
+    from grt_megatron.parallel.deepspeed_engine import build_engine
 
     run = build_run_config({"model": {k: v for k, v in RECIPE.items() if k != "vocab_size"},
                             "train": {"precision": "bf16", "micro_batch_size": 2, "global_batch_size": 4},

@@ -5,8 +5,7 @@ import torch
 
 from conftest import tiny_config
 from grt_megatron.model import ConfigError, GRTLanguageModel
-from grt_megatron.model.recurrent_block import GatedRecurrentBlock
-from grt_megatron.parallel.pipeline import balanced_stage_starts, pipeline_units
+from grt_megatron.parallel.pipeline import PipelineUnit, balanced_stage_starts, pipeline_units
 
 
 def test_balanced_stage_starts():
@@ -31,23 +30,25 @@ def test_units_keep_the_core_whole_and_split_dense(world):
 
 
 def test_pieces_built_alone_have_the_full_models_weights(world):
-    """What lets a pipeline stage start from exactly the single-process weights."""
-    from grt_megatron.model.specs import get_grt_block_spec
-    from megatron.core.transformer.spec_utils import build_module
-
-    cfg = tiny_config(prelude_layers=1, core_layers=2, coda_layers=1)
+    """What lets a pipeline stage start from exactly the single-process weights: every unit is the one
+    model built with one part, under the model's own parameter names."""
+    cfg = tiny_config(prelude_layers=1, core_layers=2, coda_layers=1, tie_embeddings=False)
     full = GRTLanguageModel(cfg, init_seed=7).state_dict()
-    core = build_module(get_grt_block_spec(cfg), config=cfg, pieces=("core",), init_seed=7)
-    assert isinstance(core.layers[0], torch.nn.Identity) and isinstance(core.layers[3], torch.nn.Identity)
+    core = PipelineUnit(cfg, 7, "core")
+    assert isinstance(core.block.layers[0], torch.nn.Identity) and isinstance(core.block.layers[3], torch.nn.Identity)
+    assert core.embedding is None and core.final_norm is None and core.output_layer is None
     tensors = {k: v for k, v in core.state_dict().items() if isinstance(v, torch.Tensor)}  # not _extra_state
-    assert any(k.startswith("gate_fc1") for k in tensors) and any(k.startswith("layers.2.") for k in tensors)
+    assert any(k.startswith("block.gate_fc1") for k in tensors) and any(k.startswith("block.layers.2.") for k in tensors)
     for name, value in tensors.items():
-        assert torch.equal(value, full[f"block.{name}"]), name
-    one = build_module(get_grt_block_spec(cfg), config=cfg, pieces=("coda",), init_seed=7, only_layers=[3])
-    assert set(one.state_dict()) == {k[len("block."):] for k in full if k.startswith("block.layers.3.")}
+        assert torch.equal(value, full[name]), name
+    one = PipelineUnit(cfg, 7, "layer", 3)
+    assert set(one.state_dict()) == {k for k in full if k.startswith("block.layers.3.")}
+    for unit, prefix in (("embedding", "embedding."), ("final_norm", "final_norm."), ("output_layer", "output_layer.")):
+        part = PipelineUnit(cfg, 7, unit).state_dict()
+        assert set(part) == {k for k in full if k.startswith(prefix)}, unit
+        assert all(torch.equal(part[k], full[k]) for k in part if isinstance(part[k], torch.Tensor)), unit
     assert not torch.equal(GRTLanguageModel(cfg, init_seed=8).state_dict()["block.layers.0.mlp.linear_fc1.weight"],
                            full["block.layers.0.mlp.linear_fc1.weight"])
-    assert isinstance(GatedRecurrentBlock.PIECES, tuple)
 
 
 def test_layout_check_counts_pipeline_units():

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
+from grt_megatron.errors import ConfigError
+from grt_megatron.parallel.layout import check_mor_layout
+
 INJECTIONS = ("concat_project", "add", "none")
 GATES = ("mlp", "none", "residual", "fixed")
 NOISE_SHAPES = ("per_token", "per_element")
@@ -48,10 +51,6 @@ _PORTABLE_DEFAULTS = dict(
 def mor_capacity(seq_len: int, recurrences: int, step: int) -> int:
     """MoR: tokens per sequence that run recursion `step` (0-based) of R: ceil(S·(R − step)/R)."""
     return math.ceil(seq_len * (recurrences - step) / recurrences)
-
-
-class ConfigError(ValueError):
-    """A model or run configuration that cannot be built; the message names the field."""
 
 
 @dataclass
@@ -169,10 +168,7 @@ class GRTConfig(TransformerConfig):
             if getattr(self, name) != value:
                 raise ConfigError(f"model.routing={self.routing!r} (MoR) needs model.{name}={value!r}, got "
                                   f"{getattr(self, name)!r}: its routers replace the gate and decide the depth")
-        if self.tensor_model_parallel_size > 1 or self.sequence_parallel:
-            raise ConfigError(f"model.routing={self.routing!r} (MoR) is not supported with tensor or sequence "
-                              f"parallelism (parallel.tp={self.tensor_model_parallel_size}): its per-sequence "
-                              "top-k would need the whole sequence on every rank; use data parallelism")
+        check_mor_layout(self.routing, tp=self.tensor_model_parallel_size, sp=self.sequence_parallel, pp=1)
         if self.router_aux_loss_coeff < 0:
             raise ConfigError(f"model.router_aux_loss_coeff must be >= 0, got {self.router_aux_loss_coeff}")
 

@@ -63,23 +63,45 @@ def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return loss.transpose(0, 1).contiguous()
 
 
+PARTS = ("embedding", "block", "final_norm", "output_layer")
+
+
 class GRTLanguageModel(MegatronModule):
-    def __init__(self, config: GRTConfig, init_seed: int = 0):
-        """`init_seed` decides the initial weights, piece by piece (see model/init.py)."""
+    def __init__(self, config: GRTConfig, init_seed: int = 0, parts: Sequence[str] = PARTS,
+                 layers: Optional[Sequence[int]] = None):
+        """`init_seed` decides the initial weights, piece by piece (see model/init.py). `parts` and the
+        block's `layers` (global indices) select what is built, by default everything: a pipeline unit
+        is this model built with one part (parallel/pipeline.py), so it holds exactly these weights."""
         super().__init__(config=config)
         self.config: GRTConfig = config
-        self.embedding = build_embedding(config, init_seed)
-        self.rotary_pos_emb = build_rotary(config)
-        self.block = build_module(get_grt_block_spec(config), config=config, init_seed=init_seed)
-        self.final_norm = build_final_norm(config, init_seed)
-        self.output_layer = build_output_layer(config, init_seed, tied=config.tie_embeddings)
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            raise ValueError(f"unknown model parts {sorted(unknown)}; known: {PARTS}")
+        self.embedding = build_embedding(config, init_seed) if "embedding" in parts else None
+        self.rotary_pos_emb = build_rotary(config) if "block" in parts else None
+        self.block = None
+        if "block" in parts:
+            self.block = build_module(get_grt_block_spec(config), config=config, init_seed=init_seed, layers=layers)
+        self.final_norm = build_final_norm(config, init_seed) if "final_norm" in parts else None
+        self.output_layer = None
+        if "output_layer" in parts:
+            self.output_layer = build_output_layer(config, init_seed, tied=config.tie_embeddings)
         if config.params_dtype != torch.float32:
             # megatron builds norms and position embeddings in fp32 whatever params_dtype says; cast the
             # whole model, as DeepSpeed's bf16 mode would, so that a bf16 model also runs on its own.
             self.to(config.params_dtype)
 
-    def _output_weight(self) -> Optional[torch.Tensor]:
-        return self.embedding.word_embeddings.weight if self.config.tie_embeddings else None
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> hidden [s, b, d] (this rank's slice of the sequence under SP)."""
+        b, s = tokens.shape
+        position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        return self.embedding(input_ids=tokens, position_ids=position_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [s, b, d] -> logits [s, b, V/TP], through the embedding's weight when tied."""
+        weight = self.embedding.word_embeddings.weight if self.config.tie_embeddings else None
+        logits, _ = self.output_layer(hidden, weight=weight)
+        return logits
 
     def forward(
         self,
@@ -92,21 +114,19 @@ class GRTLanguageModel(MegatronModule):
         """tokens [b, s] → per-token loss [b, s] (fp32) when `labels` is given, else logits [b, s, V]
         over the tokenizer's vocabulary (TP-gathered, padding cut). `recurrences`/`grad_recurrences`
         come from the depth sampler in training; `noise_seeds` key each sample's training noise."""
-        b, s = tokens.shape
+        s = tokens.shape[1]
         if s > self.config.max_sequence_length:
             raise ValueError(f"sequence of {s} tokens exceeds model.max_sequence_length="
                              f"{self.config.max_sequence_length}")
-        position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        hidden = self.embedding(input_ids=tokens, position_ids=position_ids)
+        hidden = self.embed(tokens)
         rope = self.rotary_pos_emb(s) if self.rotary_pos_emb is not None else None
         mask = causal_attention_mask(s, tokens.device)
         hidden = self.block(hidden, mask, rope, recurrences=recurrences, grad_recurrences=grad_recurrences,
                             noise_seeds=noise_seeds)
-        hidden = self.final_norm(hidden)
-        logits, _ = self.output_layer(hidden, weight=self._output_weight())
+        logits = self.logits(self.final_norm(hidden))
         if labels is not None:
             loss = vocab_parallel_loss(logits, labels)
-            aux = getattr(self.block, "aux_loss", None)
+            aux = self.block.aux_loss
             if self.training and aux is not None:
                 # MoR's router loss, spread over the tokens so that the mean loss carries it once.
                 loss = loss + self.config.router_aux_loss_coeff * aux

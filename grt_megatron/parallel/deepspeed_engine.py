@@ -1,4 +1,5 @@
-"""Optimizer, LR schedule and the DeepSpeed engine around the model."""
+"""The data-parallel engine: DeepSpeed (ZeRO stage, precision, clipping) around the model, with the
+optimizer and LR schedule it steps."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import deepspeed
 import torch
 from megatron.core import parallel_state
 
-from grt_megatron.parallel import split_global_batch
+from grt_megatron.parallel.layout import split_global_batch
 from grt_megatron.training.config import RunConfig
 
 
@@ -71,6 +72,13 @@ def engine_zero_stage(cfg: RunConfig) -> int:
     if stage == 0 and cfg.train.precision == "bf16" and cfg.deepspeed.grad_accum_dtype == "fp32":
         return 1
     return stage
+
+
+def clips_outside_deepspeed(cfg: RunConfig) -> bool:
+    """Whether the trainer clips (and measures) the gradient norm itself: with fp32 and no ZeRO, DeepSpeed
+    does not report the norm it computes; every other layout clips inside DeepSpeed's optimizer wrapper.
+    (Pipelines need ZeRO >= 1, checked with the layout.)"""
+    return cfg.deepspeed.zero_stage == 0 and cfg.train.precision == "fp32"
 
 
 def deepspeed_config(cfg: RunConfig, dp_size: int, clip_in_deepspeed: bool = True) -> dict[str, Any]:

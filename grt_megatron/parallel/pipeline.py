@@ -1,11 +1,11 @@
-"""Pipeline parallelism through DeepSpeed's `PipelineModule`, built from the same model pieces.
+"""Pipeline parallelism through DeepSpeed's `PipelineModule`, its units cut from the one model definition.
 
 Why DeepSpeed's engine and not megatron-core's schedules: megatron's schedules send one [s, b, hidden]
 tensor per stage boundary and allocate on "cuda"; DeepSpeed's pass tuples of tensors (we need the
 per-sample noise seeds and the step's depth next to the hidden state) and run on gloo, with ZeRO 1 and
-tied embeddings handled. The model math is not copied: every unit wraps the modules `GRTLanguageModel`
-uses (megatron `TransformerLayer`s, the `GatedRecurrentBlock`'s `run_core`), initialised per piece with
-the same seeds, so a pipelined model starts from the exact weights of a single-process one.
+tied embeddings handled. Every unit is a `GRTLanguageModel` built with one part (`PipelineUnit`), running
+that model's own methods: the model math exists once, and a pipelined model starts from the exact weights
+of a single-process one (each piece is initialised from its own seed, model/init.py).
 
 Units, in order: embedding (tied with the head), one unit per prelude layer, the recurrent core (all R
 recurrences, injection and gate — one unit, so the recurrence never crosses a stage boundary; a dense
@@ -15,135 +15,95 @@ the head. Stages take contiguous units, balanced by layer executions (the core c
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
-from megatron.core.transformer.spec_utils import build_module
 
-from grt_megatron.model.config import ConfigError, GRTConfig
-from grt_megatron.model.language_model import (
-    build_embedding,
-    build_final_norm,
-    build_output_layer,
-    build_rotary,
-    causal_attention_mask,
-    vocab_parallel_loss,
-)
-from grt_megatron.model.recurrent_block import StepInputs
-from grt_megatron.model.specs import get_grt_block_spec
+from grt_megatron.model.config import GRTConfig
+from grt_megatron.model.language_model import GRTLanguageModel, causal_attention_mask, vocab_parallel_loss
+from grt_megatron.model.layers import StepInputs, run_layers
+from grt_megatron.parallel.layout import check_pipeline_stages, pipeline_unit_costs
+
+TIED_WEIGHT = "embedding.word_embeddings.weight"
 
 
-def _step_inputs(config: GRTConfig, hidden: torch.Tensor, rotary, seeds: torch.Tensor) -> StepInputs:
-    """Mask, RoPE and noise seeds for a unit; the full sequence length is recovered under SP."""
-    s = hidden.shape[0]
-    if config.sequence_parallel:
-        s *= parallel_state.get_tensor_model_parallel_world_size()
-    rope = rotary(s) if rotary is not None else None
-    return StepInputs(causal_attention_mask(s, hidden.device), rope, seeds.tolist())
+class PipelineUnit(GRTLanguageModel):
+    """One pipeline unit: the model built with only `unit`'s part. Between units travel
+    (hidden, noise seeds, depth); the first takes (tokens, seeds, depth), the last two return tensors.
 
+    `unit`: `embedding` (with the weightless tied head when embeddings are tied), `layer` (block layer
+    `layer`), `core` (all core layers, the injection and the gate: the whole recurrence), `final_norm`,
+    `output_layer`. Parameter names stay the model's (`block.layers.3...` under the unit's index)."""
 
-class EmbeddingPipe(torch.nn.Module):
-    """(tokens, seeds, depth) -> (hidden, seeds, depth). Also the tied head (`lm_head`)."""
+    def __init__(self, config: GRTConfig, init_seed: int, unit: str, layer: Optional[int] = None):
+        parts, layers = {
+            "embedding": (("embedding", "output_layer") if config.tie_embeddings else ("embedding",), None),
+            "layer": (("block",), [layer]),
+            "core": (("block",), range(config.prelude_layers, config.prelude_layers + config.core_layers)),
+            "final_norm": (("final_norm",), None),
+            "output_layer": (("output_layer",), None),
+        }[unit]
+        super().__init__(config, init_seed, parts=parts, layers=layers)
+        self.unit, self.layer = unit, layer
 
-    def __init__(self, config: GRTConfig, init_seed: int):
-        super().__init__()
-        self.embedding = build_embedding(config, init_seed)
-        self.output_layer = build_output_layer(config, init_seed, tied=True)
-
-    def forward(self, inputs):
-        tokens, seeds, depth = inputs
-        b, s = tokens.shape
-        positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        return self.embedding(input_ids=tokens, position_ids=positions), seeds, depth
-
-
-def lm_head(module: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
-    logits, _ = module.output_layer(hidden, weight=module.embedding.word_embeddings.weight)
-    return logits
-
-
-class OutputLayerPipe(torch.nn.Module):
-    """The head with its own weight (`tie_embeddings: false`)."""
-
-    def __init__(self, config: GRTConfig, init_seed: int):
-        super().__init__()
-        self.output_layer = build_output_layer(config, init_seed, tied=False)
-
-    def forward(self, hidden):
-        return self.output_layer(hidden)[0]
-
-
-class BlockPipe(torch.nn.Module):
-    """Some layers of the block (`pieces` and, for a dense core, one layer index), or the whole core."""
-
-    def __init__(self, config: GRTConfig, init_seed: int, piece: str, layer: int | None = None):
-        super().__init__()
-        self.config = config
-        self.block = build_module(get_grt_block_spec(config), config=config, pieces=(piece,), init_seed=init_seed,
-                                  only_layers=None if layer is None else [layer])
-        self.piece, self.layer = piece, layer
-        self.rotary = build_rotary(config)
+    def _step_inputs(self, hidden: torch.Tensor, seeds: torch.Tensor) -> StepInputs:
+        """Mask, RoPE and noise seeds; the full sequence length is recovered under SP."""
+        s = hidden.shape[0]
+        if self.config.sequence_parallel:
+            s *= parallel_state.get_tensor_model_parallel_world_size()
+        rope = self.rotary_pos_emb(s) if self.rotary_pos_emb is not None else None
+        return StepInputs(causal_attention_mask(s, hidden.device), rope, seeds.tolist())
 
     def forward(self, inputs):
+        if self.unit == "embedding":
+            tokens, seeds, depth = inputs
+            return self.embed(tokens), seeds, depth
+        if self.unit == "final_norm":
+            return self.final_norm(inputs[0])
+        if self.unit == "output_layer":
+            return self.logits(inputs)
         hidden, seeds, depth = inputs
-        step = _step_inputs(self.config, hidden, self.rotary, seeds)
-        if self.piece == "core" and self.layer is None:
+        step = self._step_inputs(hidden, seeds)
+        if self.unit == "core":
             r, grad_r = (int(v) for v in depth.tolist())
             hidden = self.block.run_core(hidden, step, r, grad_r)
         else:
-            hidden = self.block._run([self.block.layers[self.layer]], hidden, step)
+            hidden = run_layers([self.block.layers[self.layer]], hidden, step)
         return hidden, seeds, depth
 
 
-class FinalNormPipe(torch.nn.Module):
-    def __init__(self, config: GRTConfig, init_seed: int):
-        super().__init__()
-        self.final_norm = build_final_norm(config, init_seed)
-
-    def forward(self, inputs):
-        return self.final_norm(inputs[0])
+def tied_head(unit: PipelineUnit, hidden: torch.Tensor) -> torch.Tensor:
+    """The last unit when embeddings are tied: the embedding unit's weight as the LM head."""
+    return unit.logits(hidden)
 
 
 def pipeline_units(config: GRTConfig, init_seed: int) -> tuple[list, list[int]]:
     """The LayerSpecs in order and the layer executions each costs (for partitioning)."""
-    units: list = [TiedLayerSpec("embed", EmbeddingPipe, config, init_seed,
-                                 tied_weight_attr="embedding.word_embeddings.weight")
-                   if config.tie_embeddings else LayerSpec(EmbeddingPipe, config, init_seed)]
-    costs = [0]
-    p, k = config.prelude_layers, config.core_layers
-    for i in range(p):
-        units.append(LayerSpec(BlockPipe, config, init_seed, "prelude", i))
-        costs.append(1)
-    if config.is_dense:  # no recurrence: the core layers can sit on different stages
-        for i in range(p, p + k):
-            units.append(LayerSpec(BlockPipe, config, init_seed, "core", i))
-            costs.append(1)
-    else:
-        units.append(LayerSpec(BlockPipe, config, init_seed, "core"))
-        costs.append(k * config.recurrences)
-    for i in range(p + k, config.num_layers):
-        units.append(LayerSpec(BlockPipe, config, init_seed, "coda", i))
-        costs.append(1)
-    units.append(LayerSpec(FinalNormPipe, config, init_seed))
-    costs.append(0)
     if config.tie_embeddings:
-        units.append(TiedLayerSpec("embed", EmbeddingPipe, config, init_seed, forward_fn=lm_head,
-                                   tied_weight_attr="embedding.word_embeddings.weight"))
+        first = TiedLayerSpec("embed", PipelineUnit, config, init_seed, "embedding", tied_weight_attr=TIED_WEIGHT)
+        last = TiedLayerSpec("embed", PipelineUnit, config, init_seed, "embedding", forward_fn=tied_head,
+                             tied_weight_attr=TIED_WEIGHT)
     else:
-        units.append(LayerSpec(OutputLayerPipe, config, init_seed))
-    costs.append(0)
-    return units, costs
+        first = LayerSpec(PipelineUnit, config, init_seed, "embedding")
+        last = LayerSpec(PipelineUnit, config, init_seed, "output_layer")
+    p, k = config.prelude_layers, config.core_layers
+    units = [first, *(LayerSpec(PipelineUnit, config, init_seed, "layer", i) for i in range(p))]
+    if config.is_dense:  # no recurrence: the core layers can sit on different stages
+        units += [LayerSpec(PipelineUnit, config, init_seed, "layer", i) for i in range(p, p + k)]
+    else:
+        units.append(LayerSpec(PipelineUnit, config, init_seed, "core"))
+    units += [LayerSpec(PipelineUnit, config, init_seed, "layer", i) for i in range(p + k, config.num_layers)]
+    units += [LayerSpec(PipelineUnit, config, init_seed, "final_norm"), last]
+    return units, pipeline_unit_costs(p, k, config.coda_layers, config.recurrences, config.is_dense)
 
 
 def balanced_stage_starts(costs: Sequence[int], stages: int) -> list[int]:
     """Contiguous, non-empty stages minimising the costliest stage (ties: earlier boundaries)."""
     n = len(costs)
-    if stages > n:
-        raise ConfigError(f"parallel.pp={stages} stages but the model has only {n} pipeline units "
-                          "(embedding, prelude layers, the core, coda layers, final norm, head)")
+    check_pipeline_stages(stages, n)
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)

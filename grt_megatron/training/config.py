@@ -226,6 +226,14 @@ class RunConfig:
     def seq_length(self) -> int:
         return self.train.seq_length or int(self.model.get("max_sequence_length", 1024))
 
+    def validate_layout(self, world_size: int) -> int:
+        """`validate_layout` of this run at `world_size` processes; its data-parallel size."""
+        return validate_layout(
+            world_size=world_size, tp=self.parallel.tp, pp=self.parallel.pp, sp=self.parallel.sp,
+            zero_stage=self.deepspeed.zero_stage, model=self.model, seq_length=self.seq_length,
+            micro_batch=self.train.micro_batch_size, global_batch=self.train.global_batch_size,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return OmegaConf.to_container(OmegaConf.structured(self), resolve=True)  # type: ignore[return-value]
 
@@ -322,11 +330,7 @@ def build_run_config(cfg: DictConfig | dict, world_size: Optional[int] = None) -
         raise ConfigError(f"parallel.timeout_minutes must be >= 1, got {run.parallel.timeout_minutes}")
     # The layout and the model recipe are checked now: before any process group starts (a wrong layout
     # would hang it) and before any data is prepared (the vocabulary is known only later).
-    validate_layout(
-        world_size=world_size_from_env() if world_size is None else world_size, tp=run.parallel.tp, pp=run.parallel.pp,
-        sp=run.parallel.sp, zero_stage=run.deepspeed.zero_stage, model=run.model, seq_length=run.seq_length,
-        micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
-    )
+    run.validate_layout(world_size_from_env() if world_size is None else world_size)
     run.model_config(vocab_size=run.model.get("vocab_size") or 1)
     if bool(run.data.source) == bool(run.data.prefixes):
         raise ConfigError("set exactly one of data.source (a raw corpus) and data.prefixes (prepared data)")

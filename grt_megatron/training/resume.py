@@ -1,13 +1,29 @@
-"""Whether a run can continue from a checkpoint with the settings it is resumed with."""
+"""Resuming a run: which checkpoint (`select_checkpoint`), whether the run can continue from it with the
+settings it is resumed with (`check_resume`), putting its state back (`restore_checkpoint`), and the
+metrics logged after it dropped (`truncate_metrics`)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
 
-from grt_megatron.checkpoint import compare_configs, compare_models
+import torch.distributed as dist
+
+from grt_megatron.checkpoint import (
+    CheckpointError,
+    compare_configs,
+    compare_models,
+    load_checkpoint,
+    resolve_checkpoint,
+    supersede_newer,
+)
+from grt_megatron.distributed import DistributedInfo, seed_everything
+from grt_megatron.files import write_atomic
 from grt_megatron.model import ConfigError
 from grt_megatron.training.config import RunConfig
-from grt_megatron.training.data import default_train_samples
+from grt_megatron.training.data import default_train_samples, on_main_rank
 
 
 def check_resume(saved: dict, cfg: RunConfig, model: dict, announce: bool) -> int:
@@ -36,3 +52,78 @@ def check_resume(saved: dict, cfg: RunConfig, model: dict, announce: bool) -> in
     if applied and announce:
         print("resume: applying changed settings:\n  " + "\n  ".join(applied), flush=True)
     return samples
+
+
+def select_checkpoint(spec: Optional[str], checkpoint_root: Path, info: DistributedInfo
+                      ) -> tuple[Optional[Path], Optional[dict]]:
+    """Rank 0 picks and verifies the checkpoint `resume=spec` names; every rank gets its (path, state)."""
+    if spec is None:
+        return None, None
+
+    def pick():
+        try:
+            found, skipped = resolve_checkpoint(spec, checkpoint_root)
+        except CheckpointError as err:
+            raise ConfigError(str(err)) from None
+        for s in skipped:
+            print(f"resume: skipping {s.path} ({s.problem})", flush=True)
+        if found is None:
+            print(f"resume={spec}: no checkpoint in {checkpoint_root}; starting from step 0", flush=True)
+            return None
+        return str(found.path), found.state
+
+    box = [on_main_rank(info, pick)]
+    dist.broadcast_object_list(box, src=0)
+    return (None, None) if box[0] is None else (Path(box[0][0]), box[0][1])
+
+
+@dataclass
+class Restored:
+    step: int
+    step_guard: dict = field(default_factory=dict)
+    """The non-finite-step bookkeeping saved with the checkpoint (loss history, skip counters)."""
+
+
+def restore_checkpoint(path: Path, saved: dict, engine, pipelined: bool, padded_vocab_size: int,
+                       layout: dict, cfg: RunConfig, info: DistributedInfo, checkpoint_root: Path,
+                       run_dir: Path) -> Restored:
+    """Load `path` into the engine (resharded if the layout changed), reseed where the saved RNG states do
+    not map onto this layout, drop later metrics and move newer checkpoints of an abandoned timeline aside."""
+    saved_layout = saved["layout"]
+    same_layout = all(saved_layout[k] == layout[k] for k in ("world_size", "tp", "pp"))
+    try:
+        loaded = load_checkpoint(path, engine, pipelined, padded_vocab_size, restore_rngs=same_layout)
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    step = int(saved["step"])
+    if not loaded["rng_restored"]:
+        seed_everything(cfg.seed + step)  # per-rank states do not map onto other ranks
+    if info.is_main:
+        note = ""
+        if not same_layout:
+            note = (f"; saved with tp={saved_layout['tp']} pp={saved_layout['pp']} on "
+                    f"{saved_layout['world_size']} processes, resharded")
+        if not loaded["rng_restored"]:
+            note += ", RNG states reseeded"
+        print(f"resumed from {path} at step {step} ({saved['tokens']} tokens){note}", flush=True)
+        truncate_metrics(run_dir, step)
+        if path.parent.resolve() == checkpoint_root.resolve():
+            for moved in supersede_newer(checkpoint_root, step):
+                print(f"resume: moved newer checkpoint aside (abandoned timeline): {moved}", flush=True)
+    dist.barrier()
+    return Restored(step, saved.get("step_guard", {}))
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics logged after `step`: the resumed run logs those steps again."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a line cut short by a killed process
+    write_atomic(path, "".join(line + "\n" for line in kept))

@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch.distributed as dist
+
+from grt_megatron.files import write_atomic
 from grt_megatron.model import ConfigError
 
 LOCK_FILE = ".grt-train.lock"
@@ -70,13 +73,6 @@ class RunLock:
             self._fd = None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def claim_run_dir(run_dir: Path, resume: Optional[str], config_yaml: Optional[str],
                   overrides: Optional[list[str]]) -> RunLock:
     """Rank 0, before anything else touches `run_dir`: create it, lock it, refuse a second run in it, and
@@ -95,13 +91,31 @@ def claim_run_dir(run_dir: Path, resume: Optional[str], config_yaml: Optional[st
                               "to continue it, or choose a new run.dir")
         try:
             if config_yaml is not None:
-                _write_atomic(run_dir / ".hydra" / "config.yaml", config_yaml)
+                write_atomic(run_dir / ".hydra" / "config.yaml", config_yaml)
             if overrides is not None:
-                _write_atomic(run_dir / ".hydra" / "overrides.yaml",
+                write_atomic(run_dir / ".hydra" / "overrides.yaml",
                               "".join(f"- {json.dumps(o)}\n" for o in overrides))
         except OSError as err:
             raise ConfigError(f"run.dir={str(run_dir)!r} is not writable ({os.strerror(err.errno)})") from None
     except BaseException:
         lock.release()
         raise
+    return lock
+
+
+def claim_run_dir_on_main(info, run_dir: Path, resume: Optional[str], config_yaml: Optional[str],
+                          overrides: Optional[list[str]]) -> Optional[RunLock]:
+    """`claim_run_dir` on global rank 0; every rank gets the verdict (a refusal raises ConfigError on all).
+    Returns the lock on rank 0, None elsewhere."""
+    lock, refusal = None, None
+    if info.is_main:
+        try:
+            lock = claim_run_dir(run_dir, resume, config_yaml, overrides)
+        except ConfigError as err:
+            refusal = str(err)
+    box = [refusal]
+    if info.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ConfigError(box[0])
     return lock

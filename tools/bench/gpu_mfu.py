@@ -31,7 +31,7 @@ from grt_megatron.device import run_device, set_tf32  # noqa: E402
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.model import DepthDraw, GRTLanguageModel, train_flops_per_token  # noqa: E402
 from grt_megatron.training.config import build_run_config  # noqa: E402
-from grt_megatron.training.engine import build_engine  # noqa: E402
+from grt_megatron.parallel.deepspeed_engine import build_engine  # noqa: E402
 from grt_megatron.training.metrics import peak_flops_per_device  # noqa: E402
 
 

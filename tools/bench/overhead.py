@@ -55,7 +55,7 @@ def main() -> None:
     init_distributed(seed=0)
     from deepspeed.runtime.utils import clip_grad_norm_
 
-    from grt_megatron.training.engine import MegatronMPU
+    from grt_megatron.parallel.deepspeed_engine import MegatronMPU
 
     results = []
     for shape in args.shapes.split(","):

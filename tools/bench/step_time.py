@@ -32,7 +32,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.model import DepthDraw, GRTLanguageModel, count_parameters, train_flops_per_token  # noqa: E402
 from grt_megatron.training.config import build_run_config  # noqa: E402
-from grt_megatron.training.engine import build_engine  # noqa: E402
+from grt_megatron.parallel.deepspeed_engine import build_engine  # noqa: E402
 
 VOCAB = 2048
 

@@ -1,0 +1,101 @@
+"""Whether a parallel layout can run, decided before any process group starts or any data is prepared.
+
+`validate_layout` is the one check of a layout: grt-train (through `build_run_config`), grt-submit's dry
+run (the same function at the job's world size) and the model and pipeline builders call it or the rules
+below, so a layout is refused with one reason, the same everywhere. Pure functions: no torch, no groups.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from grt_megatron.errors import ConfigError
+
+
+def split_global_batch(global_batch: int, micro_batch: Optional[int], dp: int, layout: str = "") -> tuple[int, int]:
+    """(micro-batch size, gradient accumulation steps) that make up `global_batch` on `dp` data-parallel
+    ranks; `micro_batch` None: each rank's whole share at once. A split that does not work is refused,
+    naming the micro-batch sizes that would (`layout` says where `dp` came from)."""
+    where = f"data-parallel size {dp}{layout}"
+    if global_batch % dp:
+        raise ConfigError(f"train.global_batch_size={global_batch} cannot be shared by {where}: it must be a "
+                          f"multiple of {dp}")
+    per_rank = global_batch // dp
+    micro = per_rank if micro_batch is None else micro_batch
+    if per_rank % micro:
+        fits = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        raise ConfigError(f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size "
+                          f"({micro}) × {where}; micro-batch sizes that work: {', '.join(map(str, fits))}")
+    return micro, per_rank // micro
+
+
+def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
+    """The data-parallel size of `world_size` processes in tp × pp model-parallel groups."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1")
+    if world_size % (tp * pp):
+        raise ConfigError(f"{world_size} processes cannot be split into parallel.tp={tp} × parallel.pp={pp} "
+                          "groups (the world size must be a multiple of tp × pp)")
+    return world_size // (tp * pp)
+
+
+def pipeline_unit_costs(prelude: int, core: int, coda: int, recurrences: int, dense: bool) -> list[int]:
+    """Layer executions of each pipeline unit, in order: embedding, prelude layers, the core (one unit
+    of K·R, or K units of 1 in a dense model, which has no recurrence to keep whole), coda layers, final
+    norm, head. `parallel/pipeline.py` builds exactly these units."""
+    middle = [1] * core if dense else [core * recurrences]
+    return [0, *[1] * prelude, *middle, *[1] * coda, 0, 0]
+
+
+def check_pipeline_stages(stages: int, units: int) -> None:
+    if stages > units:
+        raise ConfigError(f"parallel.pp={stages} stages but the model has only {units} pipeline units "
+                          "(embedding, prelude layers, the core, coda layers, final norm, head)")
+
+
+def check_mor_layout(routing: str, *, tp: int, sp: bool, pp: int) -> None:
+    """MoR's routers are plain linears and its top-k is per sequence: it runs on data parallelism only."""
+    if routing == "none":
+        return
+    if tp > 1 or sp:
+        raise ConfigError(f"model.routing={routing!r} (MoR) is not supported with tensor or sequence "
+                          f"parallelism (parallel.tp={tp}): its per-sequence top-k would need the whole "
+                          "sequence on every rank; use data parallelism")
+    if pp > 1:
+        raise ConfigError(f"model.routing={routing!r} (MoR) is not supported with parallel.pp={pp}: its "
+                          "auxiliary router loss and per-sequence top-k are not split into pipeline stages; "
+                          "use data parallelism")
+
+
+def validate_layout(*, world_size: int, tp: int, pp: int, sp: bool, zero_stage: int, model: Mapping,
+                    seq_length: int, micro_batch: Optional[int], global_batch: int) -> int:
+    """Refuse layouts that cannot work, with the reason, before anything is launched. `model` is the model
+    recipe (a mapping). Returns the data-parallel size."""
+    dp = data_parallel_size(world_size, tp, pp)
+    heads, hidden = model.get("num_attention_heads", 1), model.get("hidden_size", 1)
+    ffn = model.get("ffn_hidden_size") or 4 * hidden
+    for name, value in (("num_attention_heads", heads), ("hidden_size", hidden), ("ffn_hidden_size", ffn)):
+        if value % tp:
+            raise ConfigError(f"model.{name}={value} is not divisible by parallel.tp={tp}")
+    if sp and tp == 1:
+        raise ConfigError("parallel.sp=true needs parallel.tp > 1 (it shards activations over the TP group)")
+    if sp and seq_length % tp:
+        raise ConfigError(f"train.seq_length={seq_length} is not divisible by parallel.tp={tp} "
+                          "(sequence parallelism shards the sequence)")
+    if pp > 1 and zero_stage >= 2:
+        raise ConfigError(f"deepspeed.zero_stage={zero_stage} cannot be combined with parallel.pp={pp}: "
+                          "DeepSpeed's pipeline engine supports ZeRO 0 and 1 only")
+    if zero_stage == 3 and (tp > 1 or pp > 1):
+        raise ConfigError("deepspeed.zero_stage=3 needs parallel.tp=1 and parallel.pp=1 "
+                          "(ZeRO 3 partitions parameters itself); use ZeRO 1 or 2 with tensor parallelism")
+    check_mor_layout(model.get("routing", "none"), tp=tp, sp=sp, pp=pp)
+    if pp > 1:
+        p, k, c = (int(model.get(f"{name}_layers", 1)) for name in ("prelude", "core", "coda"))
+        dense = model.get("recurrences", 1) == 1 and model.get("gate") == "none" and model.get("injection") == "none"
+        check_pipeline_stages(pp, len(pipeline_unit_costs(p, k, c, int(model.get("recurrences", 1)), dense)))
+    if pp > 1 and zero_stage == 0:
+        raise ConfigError(f"parallel.pp={pp} needs deepspeed.zero_stage=1: with ZeRO 0, DeepSpeed's pipeline "
+                          "engine clips with a wrong gradient norm (tied and TP-replicated gradients "
+                          "miscounted) and reports none")
+    split_global_batch(global_batch, micro_batch, dp, f" ({world_size} processes / tp {tp} / pp {pp})")
+    return dp

@@ -1,0 +1,168 @@
+"""One optimizer step, and one validation pass, on the parallel model: the plain way and the pipelined way.
+
+The loop (trainer.py) calls `train_step` and `validation_loss` and never asks which layout it runs.
+Both implementations see the same rows, noise seeds and depth draw, so every layout computes one
+process's numbers (tests/test_parallel_layouts.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.utils import clip_grad_norm_
+from megatron.core import parallel_state
+
+from grt_megatron.data import DataError
+from grt_megatron.device import device_tensor, device_zeros
+from grt_megatron.distributed import DistributedInfo
+from grt_megatron.model import DepthDraw
+from grt_megatron.model.diagnostics import recording_recurrence_stats
+from grt_megatron.parallel.deepspeed_engine import MegatronMPU
+from grt_megatron.parallel.parallelize import ParallelModel
+from grt_megatron.training.config import RunConfig
+from grt_megatron.training.step_guard import LossSpikeDetector
+
+
+@dataclass
+class StepOutput:
+    loss: float
+    """The step's mean training loss over micro-batches and data-parallel ranks."""
+    grad_norm: Optional[float]
+    """Measured by the runner (fp32 without ZeRO); None: DeepSpeed's own."""
+    skip_reason: Optional[str]
+    """Why the step's update is to be skipped (non-finite loss, a spike, an injected NaN), else None."""
+
+
+class StepRunner:
+    def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector):
+        self.engine = parallel.engine
+        self.micro_batch, self.accumulation = parallel.micro_batch, parallel.accumulation
+        self.cfg, self.info, self.spikes = cfg, info, spikes
+
+    def train_step(self, rows: np.ndarray, seeds: Sequence[int], draw: DepthDraw, iteration: int) -> StepOutput:
+        """Forward, backward and optimizer step over this rank's `rows` (its share of the global batch)."""
+        raise NotImplementedError
+
+    def validation_loss(self, valid_rows: np.ndarray, recurrences: Optional[int] = None,
+                        record_stats: bool = False) -> tuple[float, list[dict[str, float]]]:
+        """Mean loss per token over the validation windows (this rank takes its share; noise off), and
+        with `record_stats` the recurrence diagnostics of the first micro-batch (empty when unavailable)."""
+        raise NotImplementedError
+
+    def _to_device(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.from_numpy(rows).to(self.info.device)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+class PlainStepRunner(StepRunner):
+    """One model replica per data-parallel rank (TP/SP inside the layers, ZeRO inside the engine)."""
+
+    def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector):
+        super().__init__(parallel, cfg, info, spikes)
+        self.clips_here = parallel.clips_outside_deepspeed
+
+    def train_step(self, rows, seeds, draw, iteration):
+        total = device_zeros(dtype=torch.float32)
+        grad_norm, reason, mean_loss = None, None, float("nan")
+        for index, start in enumerate(range(0, self.micro_batch * self.accumulation, self.micro_batch)):
+            tokens, labels = self._to_device(rows[start : start + self.micro_batch])
+            loss = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences,
+                               seeds[start : start + self.micro_batch]).mean()
+            total += loss.detach().float()
+            if index == self.accumulation - 1:
+                # The step's loss is known before the last backward: a step to skip gets non-finite
+                # gradients, which every layout's optimizer path then drops (step_guard.py).
+                mean_loss = self._dp_mean(total / self.accumulation)
+                reason = self.spikes.check(mean_loss)
+                if iteration + 1 in self.cfg.train.inject_nan_at:
+                    reason = "injected NaN (train.inject_nan_at)"
+                if reason is not None and (reason != "loss spike" or self.cfg.train.skip_loss_spikes):
+                    loss = loss * float("nan")
+            self.engine.backward(loss)
+            if self.clips_here and self.engine.is_gradient_accumulation_boundary():
+                # max_norm inf measures the norm and leaves the gradients as they are (clipping off).
+                grad_norm = float(clip_grad_norm_(list(self.engine.module.parameters()),
+                                                  self.cfg.train.grad_clip or math.inf, mpu=MegatronMPU()))
+            self.engine.step()
+        return StepOutput(mean_loss, grad_norm, reason)
+
+    @torch.no_grad()
+    def validation_loss(self, valid_rows, recurrences=None, record_stats=False):
+        # Data-parallel ranks share the windows and sum their losses: the result does not depend on the layout.
+        self.engine.eval()
+        mine = valid_rows[self.info.dp_rank :: self.info.dp_size]
+        loss_sum, counted = device_zeros(dtype=torch.float64), 0  # loss summed over tokens, tokens
+        stats: list[dict[str, float]] = []
+        for start in range(0, len(mine), self.micro_batch):
+            tokens, labels = self._to_device(mine[start : start + self.micro_batch])
+            if start == 0 and record_stats:
+                with recording_recurrence_stats(self.engine.module.block) as stats:
+                    loss = self.engine(tokens, labels, recurrences)
+            else:
+                loss = self.engine(tokens, labels, recurrences)
+            loss_sum += loss.double().sum()
+            counted += loss.numel()
+        self.engine.train()
+        sums = torch.stack([loss_sum, device_tensor(float(counted), dtype=torch.float64)])
+        if self.info.dp_size > 1:
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        return float(sums[0] / sums[1]), stats
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        value = value.detach().float().clone()
+        if self.info.dp_size > 1:
+            dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+            value /= self.info.dp_size
+        return float(value.item())
+
+
+class PipelinedStepRunner(StepRunner):
+    """DeepSpeed's pipeline engine: whole micro-batches flow through the stages; it reports the mean loss
+    after the step (so a non-finite one is known only then) and records no recurrence diagnostics."""
+
+    def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
+                 valid_samples: int):
+        super().__init__(parallel, cfg, info, spikes)
+        # Evaluation uses the largest share of the validation set that is whole micro-batches on every DP
+        # rank, checked now rather than at the first evaluation.
+        self.eval_rows_per_rank = valid_samples // (info.dp_size * self.micro_batch) * self.micro_batch
+        if self.eval_rows_per_rank == 0:
+            raise DataError(f"the validation set ({valid_samples} samples) is smaller than one micro-batch per "
+                            "data-parallel rank")
+
+    def train_step(self, rows, seeds, draw, iteration):
+        batches = self._micro_batches(rows, seeds, (draw.recurrences, draw.grad_recurrences))
+        loss = float(self.engine.train_batch(data_iter=iter(batches)))  # mean over micro-batches and DP
+        return StepOutput(loss, None, self.spikes.check(loss))  # a non-finite loss is logged and counted
+
+    def validation_loss(self, valid_rows, recurrences=None, record_stats=False):
+        per_rank = self.eval_rows_per_rank
+        mine = valid_rows[self.info.dp_rank * per_rank : (self.info.dp_rank + 1) * per_rank]
+        r = recurrences or self.engine.module.config.recurrences
+        batches = self._micro_batches(mine, [0] * len(mine), (r, r))
+        loss = self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))  # eval mode: no noise
+        return float(loss), []
+
+    def _micro_batches(self, rows: np.ndarray, seeds: Sequence[int], depth: tuple[int, int]) -> list:
+        """((tokens, noise seeds, depth), labels) per micro-batch: what DeepSpeed's pipeline engine feeds
+        its first stage (the rest travels with the activations) and its last stage (labels)."""
+        out = []
+        for start in range(0, len(rows), self.micro_batch):
+            tokens, labels = self._to_device(rows[start : start + self.micro_batch])
+            # They travel between stages with the activations: on the device (NCCL's send/recv).
+            extras = (device_tensor(seeds[start : start + self.micro_batch], dtype=torch.int64),
+                      device_tensor(depth, dtype=torch.int64))
+            out.append(((tokens, *extras), labels))
+        return out
+
+
+def build_step_runner(parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
+                      valid_samples: int) -> StepRunner:
+    if parallel.pipelined:
+        return PipelinedStepRunner(parallel, cfg, info, spikes, valid_samples)
+    return PlainStepRunner(parallel, cfg, info, spikes)
