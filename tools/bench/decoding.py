@@ -12,15 +12,14 @@ Prints tables and writes tools/bench/results/decoding.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
+
+from tools.bench.common import argument_parser, parse_args, stamp, write_result  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -73,15 +72,14 @@ def analytic_large(context: int, bytes_per_value: int = 2) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd models")
     parser.add_argument("--context", type=int, default=1024, help="context for the analytic large-shape memory")
-    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "decoding.json"))
-    args = parser.parse_args()
+    args = parse_args(parser, "decoding")
     torch.manual_seed(0)
     prompt = torch.randint(1, VOCAB, (1, args.prompt))
     rows = []
@@ -124,13 +122,10 @@ def main() -> None:
     for name, v in large.items():
         print(f"  {name:<28} weights {v['weights_mb']:7.1f} MB + cache {v['cache_full_mb']:6.1f} (full) / "
               f"{v['cache_average_mb']:6.1f} (averaged) = {v['peak_full_mb']:7.1f} / {v['peak_average_mb']:7.1f} MB")
-    out = Path(args.output)
-    out.write_text(json.dumps({"benchmark": "decoding", "date": time.strftime("%Y-%m-%d"),
-                               "command": "python " + " ".join(sys.argv), "torch": torch.__version__,
-                               "threads": torch.get_num_threads(), "width": args.width, "results": rows,
-                               **ratios, "analytic_large": large, "targets": {
-                                   "grt_over_dense_iso_flops_latency": 1.15, "average_over_full_cache_bytes": 0.5}},
-                              indent=2) + "\n")
+    out = write_result(args.output, {
+        **stamp("decoding", with_torch=True), "width": args.width, "results": rows, **ratios,
+        "analytic_large": large,
+        "targets": {"grt_over_dense_iso_flops_latency": 1.15, "average_over_full_cache_bytes": 0.5}})
     print(f"wrote {out}")
 
 

@@ -10,28 +10,28 @@ Writes tools/bench/results/gpu_mfu.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
-from grt_megatron.console import quiet_known_warnings  # noqa: E402
-
-quiet_known_warnings()
+from tools.bench.common import (  # noqa: E402
+    argument_parser,
+    deepspeed_engine,
+    parse_args,
+    run_config,
+    stamp,
+    write_result,
+)
 
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 
 from grt_megatron.device import run_device, set_tf32  # noqa: E402
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.model import DepthDraw, GRTLanguageModel, train_flops_per_token  # noqa: E402
-from grt_megatron.training.config import build_run_config  # noqa: E402
-from grt_megatron.parallel.deepspeed_engine import build_engine  # noqa: E402
 from grt_megatron.training.metrics import peak_flops_per_device  # noqa: E402
 
 
@@ -42,18 +42,13 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
     process's device, at the full R (fixed depth sampler). `init_distributed` must have run."""
     device = run_device()
     cuda = device.type == "cuda"
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        cfg = compose("train", overrides=[
-            f"model={model}", "model.depth_sampler=fixed", f"model.max_sequence_length={seq}",
-            f"model.checkpoint_recurrence={str(checkpoint_recurrence).lower()}",
-            f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
-            f"train.precision={precision}", "run.dir=unused"])
-    run = build_run_config(cfg)
+    run = run_config(model, batch, precision, f"model.max_sequence_length={seq}",
+                     f"model.checkpoint_recurrence={str(checkpoint_recurrence).lower()}")
     tf32 = set_tf32(run.train.tf32)  # as grt-train: fp32 runs use TF32 tensor cores unless train.tf32=false
     model_cfg = run.model_config(vocab)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    engine = build_engine(GRTLanguageModel(model_cfg, init_seed=0).to(device), run, dp_size=1)
+    engine = deepspeed_engine(GRTLanguageModel(model_cfg, init_seed=0).to(device), run)
     tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     r = model_cfg.recurrences
@@ -87,7 +82,7 @@ ROW_FIELDS = ("model", "shape", "device", "precision", "batch", "seq_length", "m
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--model", default="medium_grt_isoflops")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
@@ -96,15 +91,13 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--checkpoint-recurrence", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=None)
-    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "gpu_mfu.json"))
-    args = parser.parse_args()
+    args = parse_args(parser, "gpu_mfu")
     init_distributed(seed=0)
     measured = measure_training_step(args.model, args.batch, args.seq, args.steps, args.warmup, args.precision,
                                      args.checkpoint_recurrence, args.peak_tflops)
     row = {key: measured[key] for key in ROW_FIELDS}
     print(json.dumps(row, indent=2))
-    Path(args.output).write_text(json.dumps({"benchmark": "gpu_mfu", "date": time.strftime("%Y-%m-%d"),
-                                             "command": "python " + " ".join(sys.argv), **row}, indent=2) + "\n")
+    write_result(args.output, {**stamp("gpu_mfu"), **row})
 
 
 if __name__ == "__main__":

@@ -12,19 +12,13 @@ Prints a table and writes tools/bench/results/memory_vs_r.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 import weakref
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
-from grt_megatron.console import quiet_known_warnings  # noqa: E402
-
-quiet_known_warnings()
+from tools.bench.common import argument_parser, parse_args, stamp, write_result  # noqa: E402
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -93,14 +87,13 @@ def measure(recurrences: int, checkpoint: bool, batch: int, seq: int, width: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--recurrences", default="2,4,8,16")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "memory_vs_r.json"))
-    args = parser.parse_args()
+    args = parse_args(parser, "memory_vs_r")
     init_distributed(seed=0)
     rs = [int(r) for r in args.recurrences.split(",")]
     rows = [measure(r, ckpt, args.batch, args.seq, args.width, args.vocab)
@@ -118,13 +111,10 @@ def main() -> None:
             growth["with" if ckpt else "without"] = by_r[16]["step_peak_bytes"] / by_r[4]["step_peak_bytes"] - 1
     for k, v in growth.items():
         print(f"step peak growth R 4 -> 16 {k} checkpointing: {100 * v:+.1f}%")
-    out = Path(args.output)
-    out.write_text(json.dumps({"benchmark": "memory_vs_r", "date": time.strftime("%Y-%m-%d"),
-                               "command": "python " + " ".join(sys.argv), "width": args.width,
-                               "vocab": args.vocab, "batch": args.batch,
-                               "seq_length": args.seq, "results": rows,
-                               "step_peak_growth_r4_to_r16": growth, "target_growth_with_checkpointing": 0.10},
-                              indent=2) + "\n")
+    out = write_result(args.output, {
+        **stamp("memory_vs_r"), "width": args.width, "vocab": args.vocab, "batch": args.batch,
+        "seq_length": args.seq, "results": rows, "step_peak_growth_r4_to_r16": growth,
+        "target_growth_with_checkpointing": 0.10})
     print(f"wrote {out}")
 
 

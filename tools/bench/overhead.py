@@ -11,27 +11,27 @@ Prints a table and writes tools/bench/results/overhead.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
-from grt_megatron.console import quiet_known_warnings  # noqa: E402
-
-quiet_known_warnings()
+from tools.bench.common import (  # noqa: E402
+    CPU_VOCAB,
+    argument_parser,
+    cpu_step_engine,
+    parse_args,
+    stamp,
+    write_result,
+)
 
 import torch  # noqa: E402
 
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.hf.convert import build_hf_model  # noqa: E402
-from tools.bench.step_time import make  # noqa: E402
 
-VOCAB = 2048
 SHAPES = {"tiny": ("tiny", None), "small": ("small_grt_isoflops", 256)}
 
 
@@ -45,22 +45,19 @@ def plain_step(model, optimizer, x, y):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--shapes", default="tiny,small")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "overhead.json"))
-    args = parser.parse_args()
+    args = parse_args(parser, "overhead")
     init_distributed(seed=0)
     from deepspeed.runtime.utils import clip_grad_norm_
-
-    from grt_megatron.parallel.deepspeed_engine import MegatronMPU
 
     results = []
     for shape in args.shapes.split(","):
         recipe, width = SHAPES[shape]
-        run, cfg, engine = make(recipe, args.batch, seed=0, width=width)
+        run, cfg, engine = cpu_step_engine(recipe, args.batch, seed=0, width=width)
         weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()
                    if torch.is_tensor(v) and not k.endswith("_extra_state")}
         plain = build_hf_model(weights, cfg.to_dict()).train()
@@ -70,14 +67,14 @@ def main() -> None:
         optimizer = torch.optim.AdamW(plain.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)
         seq = cfg.max_sequence_length
-        tokens = torch.randint(0, VOCAB, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, CPU_VOCAB, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0))
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         times = {"grt-megatron": [], "plain PyTorch": []}
         for step in range(args.warmup + args.steps):
             start = time.perf_counter()
             loss = engine(x, y, cfg.recurrences, cfg.recurrences, list(range(args.batch))).mean()
             engine.backward(loss)
-            clip_grad_norm_(list(engine.module.parameters()), t.grad_clip, mpu=MegatronMPU())
+            clip_grad_norm_(list(engine.module.parameters()), t.grad_clip, mpu=engine.mpu)  # as grt-train clips
             engine.step()
             middle = time.perf_counter()
             plain_step(plain, optimizer, x, y)
@@ -95,11 +92,7 @@ def main() -> None:
         for k, v in medians.items():
             print(f"  {k:<16}{1e3 * v:>9.1f} ms")
         print(f"  grt-megatron / plain: {row['framework_over_plain_step_time']:.3f} (target <= 1.10)")
-    out = Path(args.output)
-    out.write_text(json.dumps({"benchmark": "overhead", "date": time.strftime("%Y-%m-%d"),
-                               "torch": torch.__version__, "threads": torch.get_num_threads(),
-                               "command": "python " + " ".join(sys.argv), "target": 1.10,
-                               "results": results}, indent=2) + "\n")
+    out = write_result(args.output, {**stamp("overhead", with_torch=True), "target": 1.10, "results": results})
     print(f"\nwrote {out}")
 
 

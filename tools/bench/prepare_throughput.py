@@ -10,8 +10,6 @@ tools/bench/results/prepare_throughput.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import sys
@@ -19,12 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
-from grt_megatron.console import quiet_known_warnings  # noqa: E402
-
-quiet_known_warnings()
+from tools.bench.common import REPO, argument_parser, parse_args, write_result  # noqa: E402
 
 from grt_megatron.data import SentencePieceTokenizer, load_documents, load_tokenizer  # noqa: E402
 from grt_megatron.data.prepare import prepare_dataset  # noqa: E402
@@ -43,12 +38,11 @@ def hf_bytelevel_bpe(documents, vocab_size: int, folder: Path):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--corpus", default=str(REPO.parent / "shared" / "data" / "books.jsonl"))
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=2, help="runs per setting; the best is kept")
-    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "prepare_throughput.json"))
-    args = parser.parse_args()
+    args = parse_args(parser, "prepare_throughput")
     corpus = Path(args.corpus)
     docs = load_documents(str(corpus))
     work = Path(tempfile.mkdtemp(prefix="grt-prepare-bench-"))
@@ -80,11 +74,9 @@ def main() -> None:
         print(f"{r['tokenizer']:<20}{r['workers']:>8}{r['tokens']:>12,}{r['seconds']:>9.2f}"
               f"{r['tokens_per_s']:>12,.0f}{r['mb_per_s']:>7.2f}")
     print(f"tokenizer training ({args.vocab_size}): sentencepiece {sp_train_s:.1f} s, hf byte-level BPE {hf_train_s:.1f} s")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "prepare_throughput", "corpus": corpus.name, "cpus": os.cpu_count(),
-                               "vocab_size": args.vocab_size, "sentencepiece_train_s": sp_train_s,
-                               "hf_train_s": hf_train_s, "results": rows}, indent=2) + "\n")
+    out = write_result(args.output, {"benchmark": "prepare_throughput", "corpus": corpus.name, "cpus": os.cpu_count(),
+                                     "vocab_size": args.vocab_size, "sentencepiece_train_s": sp_train_s,
+                                     "hf_train_s": hf_train_s, "results": rows})
     print(f"wrote {out}")
 
 

@@ -11,7 +11,6 @@ come from the same command. Prints a table and writes tools/bench/results/scalin
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -19,10 +18,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
+
+from tools.bench.common import REPO, argument_parser, parse_args, stamp, write_result  # noqa: E402
+
 LAYOUTS = [("1 process", 1, []), ("DP 2", 2, []), ("DP 2, ZeRO 1", 2, ["deepspeed.zero_stage=1"]),
            ("TP 2", 2, ["parallel.tp=2"]), ("DP 4", 4, []), ("TP 2 × DP 2", 4, ["parallel.tp=2"]),
            ("TP 4", 4, ["parallel.tp=4"])]
@@ -44,13 +45,12 @@ def run(procs: int, layout: list[str], args, run_dir: Path) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--data", default="builtin:pydoc_topics", help="a prepared prefix or a corpus")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=4, help="first steps left out (warm-up)")
-    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "scaling.json"))
-    args = parser.parse_args()
+    args = parse_args(parser, "scaling")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if not Path(args.data + ".idx").is_file():  # prepare once, reuse in every layout
@@ -73,10 +73,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['layout']:<14}{r['processes']:>6}{r['tokens_per_s']:>10.0f}{r['speedup_over_1_process']:>9.2f}"
               f"{r['efficiency_per_process']:>10.2f}")
-    out = Path(args.output)
-    out.write_text(json.dumps({"benchmark": "scaling", "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-                               "command": "python " + " ".join(sys.argv), "model": args.model, "results": rows},
-                              indent=2) + "\n")
+    out = write_result(args.output, {**stamp("scaling"), "cpus": os.cpu_count(), "model": args.model,
+                                     "results": rows})
     print(f"wrote {out}")
 
 

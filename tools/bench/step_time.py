@@ -12,63 +12,45 @@ Prints a table and writes tools/bench/results/step_time.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
-from grt_megatron.console import quiet_known_warnings  # noqa: E402
-
-quiet_known_warnings()
+from tools.bench.common import (  # noqa: E402
+    CPU_VOCAB,
+    argument_parser,
+    cpu_step_engine,
+    parse_args,
+    stamp,
+    write_result,
+)
 
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 
 from grt_megatron.distributed import init_distributed  # noqa: E402
-from grt_megatron.model import DepthDraw, GRTLanguageModel, count_parameters, train_flops_per_token  # noqa: E402
-from grt_megatron.training.config import build_run_config  # noqa: E402
-from grt_megatron.parallel.deepspeed_engine import build_engine  # noqa: E402
-
-VOCAB = 2048
-
-
-def make(model_recipe: str, batch: int, seed: int, width: int | None = None, seq: int = 128):
-    scaled = [] if width is None else [f"model.hidden_size={width}", "model.num_attention_heads=4",
-                                       f"model.max_sequence_length={seq}"]
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"model={model_recipe}", "model.depth_sampler=fixed", *scaled,
-                                          f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
-                                          "train.precision=fp32", "run.dir=unused"])
-    run = build_run_config(cfg)
-    model_cfg = run.model_config(VOCAB)
-    torch.manual_seed(seed)
-    engine = build_engine(GRTLanguageModel(model_cfg, init_seed=seed), run, dp_size=1)
-    return run, model_cfg, engine
+from grt_megatron.model import DepthDraw, count_parameters, train_flops_per_token  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--pairs", default="tiny:tiny_dense,small_grt_isoflops:small_dense,"
                         "medium_grt_isoflops:medium_dense", help="comma-separated GRT:dense recipe pairs")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--width", type=int, default=256, help="hidden size of the non-tiny pairs (scaled down)")
-    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / "step_time.json"))
-    args = parser.parse_args()
+    args = parse_args(parser, "step_time")
     init_distributed(seed=0)
     results = []
     for pair in args.pairs.split(","):
         names = pair.split(":")
         width = None if names[0].startswith("tiny") else args.width
-        built = [make(name, args.batch, seed=i, width=width) for i, name in enumerate(names)]
+        built = [cpu_step_engine(name, args.batch, seed=i, width=width) for i, name in enumerate(names)]
         seq = built[0][1].max_sequence_length
-        tokens = torch.randint(0, VOCAB, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, CPU_VOCAB, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0))
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         times: list[list[float]] = [[], []]
         for step in range(args.warmup + args.steps):
@@ -104,12 +86,8 @@ def main() -> None:
                   f"{r['tokens_per_s']:>10.0f}{r['flops_per_s'] / 1e9:>10.2f}")
         print(f"GRT/dense: step time {row['grt_over_dense_step_time']:.3f}, tokens/s "
               f"{row['grt_over_dense_tokens_per_s']:.3f}, FLOPs/s {row['grt_over_dense_flops_per_s']:.3f}")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "step_time", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "command": "python " + " ".join(sys.argv), "results": results,
-               "target_grt_over_dense_flops_per_s": 0.95}
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out = write_result(args.output, {**stamp("step_time", with_torch=True), "results": results,
+                                     "target_grt_over_dense_flops_per_s": 0.95})
     print(f"\nwrote {out}")
 
 

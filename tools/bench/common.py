@@ -1,0 +1,90 @@
+"""What the benchmarks in tools/bench share: the repository's paths, quiet imports, their command line's
+`--output`, a recipe's run config and DeepSpeed engine in this one process, and the result file.
+
+A benchmark run as a script puts the repository on sys.path itself, then imports this module before torch.
+megatron-core, DeepSpeed and hydra are imported inside the functions that use them, so that the benchmarks
+that use none of them (decoding, data preparation, scaling) do not load them before they measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from grt_megatron.console import quiet_known_warnings
+from grt_megatron.files import write_atomic
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The import-time warnings of megatron-core and DeepSpeed; the benchmarks import them after this module.
+quiet_known_warnings()
+
+# The vocabulary of the CPU training-step benchmarks; their tokens are random.
+CPU_VOCAB = 2048
+
+
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def parse_args(parser: argparse.ArgumentParser, benchmark: str) -> argparse.Namespace:
+    """The benchmark's own flags plus `--output`, added last so that `--help` lists it last."""
+    parser.add_argument("--output", default=str(REPO / "tools" / "bench" / "results" / f"{benchmark}.json"))
+    return parser.parse_args()
+
+
+def run_config(model: str, batch: int, precision: str, *overrides: str):
+    """The `train` config of recipe `model` at its full R (fixed depth sampler), one micro-batch of `batch`
+    sequences a step, plus `overrides`."""
+    from hydra import compose, initialize_config_dir
+
+    from grt_megatron.training.config import build_run_config
+
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={model}", "model.depth_sampler=fixed", *overrides,
+                                          f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
+                                          f"train.precision={precision}", "run.dir=unused"])
+    return build_run_config(cfg)
+
+
+def deepspeed_engine(model, run):
+    """`model` in the framework's DeepSpeed engine, this process alone (no data parallelism)."""
+    from grt_megatron.parallel.deepspeed_engine import build_engine
+
+    return build_engine(model, run, dp_size=1)
+
+
+def cpu_step_engine(recipe: str, batch: int, seed: int, width: int | None = None, seq: int = 128):
+    """(run config, model config, engine) of recipe `recipe` in fp32, weights from `seed`; `width` scales the
+    hidden size down (4 heads, `seq` tokens) so that the larger shapes run on a CPU in minutes."""
+    import torch
+
+    from grt_megatron.model import GRTLanguageModel
+
+    scaled = [] if width is None else [f"model.hidden_size={width}", "model.num_attention_heads=4",
+                                       f"model.max_sequence_length={seq}"]
+    run = run_config(recipe, batch, "fp32", *scaled)
+    model_cfg = run.model_config(CPU_VOCAB)
+    torch.manual_seed(seed)
+    return run, model_cfg, deepspeed_engine(GRTLanguageModel(model_cfg, init_seed=seed), run)
+
+
+def stamp(benchmark: str, with_torch: bool = False) -> dict:
+    """The head of a result file: which benchmark, when, by which command; with torch's version and threads
+    for the ones that time torch on the CPU."""
+    head = {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "command": "python " + " ".join(sys.argv)}
+    if with_torch:
+        import torch
+
+        head.update(torch=torch.__version__, threads=torch.get_num_threads())
+    return head
+
+
+def write_result(path: str, payload: dict) -> Path:
+    """`payload` as indented JSON at `path`, whole or not at all (an interrupted run leaves the old file)."""
+    out = Path(path)
+    write_atomic(out, json.dumps(payload, indent=2) + "\n")
+    return out
