@@ -18,14 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
-from tools.bench.common import (  # noqa: E402
-    CPU_VOCAB,
-    argument_parser,
-    cpu_step_engine,
-    parse_args,
-    stamp,
-    write_result,
-)
+from tools.bench import common  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -45,19 +38,19 @@ def plain_step(model, optimizer, x, y):
 
 
 def main() -> None:
-    parser = argument_parser(__doc__)
+    parser = common.argument_parser(__doc__)
     parser.add_argument("--shapes", default="tiny,small")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
-    args = parse_args(parser, "overhead")
+    args = common.parse_args(parser, "overhead")
     init_distributed(seed=0)
     from deepspeed.runtime.utils import clip_grad_norm_
 
     results = []
     for shape in args.shapes.split(","):
         recipe, width = SHAPES[shape]
-        run, cfg, engine = cpu_step_engine(recipe, args.batch, seed=0, width=width)
+        run, cfg, engine = common.cpu_step_engine(recipe, args.batch, seed=0, width=width)
         weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()
                    if torch.is_tensor(v) and not k.endswith("_extra_state")}
         plain = build_hf_model(weights, cfg.to_dict()).train()
@@ -67,7 +60,7 @@ def main() -> None:
         optimizer = torch.optim.AdamW(plain.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)
         seq = cfg.max_sequence_length
-        tokens = torch.randint(0, CPU_VOCAB, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, common.CPU_VOCAB, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0))
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         times = {"grt-megatron": [], "plain PyTorch": []}
         for step in range(args.warmup + args.steps):
@@ -92,7 +85,8 @@ def main() -> None:
         for k, v in medians.items():
             print(f"  {k:<16}{1e3 * v:>9.1f} ms")
         print(f"  grt-megatron / plain: {row['framework_over_plain_step_time']:.3f} (target <= 1.10)")
-    out = write_result(args.output, {**stamp("overhead", with_torch=True), "target": 1.10, "results": results})
+    out = common.write_result(args.output, {**common.stamp("overhead", with_torch=True), "target": 1.10,
+                                            "results": results})
     print(f"\nwrote {out}")
 
 
