@@ -17,6 +17,7 @@ from megatron.core.transformer.spec_utils import build_module
 
 from grt_megatron.model.config import GRTConfig
 from grt_megatron.model.init import piece_rng
+from grt_megatron.model.loss import chunked_vocab_parallel_cross_entropy
 from grt_megatron.model.specs import get_grt_block_spec, get_norm_spec
 
 
@@ -58,8 +59,9 @@ def build_output_layer(config: GRTConfig, init_seed: int, tied: bool) -> tensor_
 
 
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """logits [s, b, V/TP], labels [b, s] -> per-token loss [b, s] (fp32)."""
-    loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+    """logits [s, b, V/TP] (the model's dtype: never cast to fp32 whole, see loss.py), labels [b, s] ->
+    per-token loss [b, s] (fp32)."""
+    loss = chunked_vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
     return loss.transpose(0, 1).contiguous()
 
 

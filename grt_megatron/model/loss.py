@@ -1,0 +1,89 @@
+"""The language-model loss: vocab-parallel cross-entropy computed a chunk of rows at a time.
+
+megatron-core's `vocab_parallel_cross_entropy` works on fp32 logits: with bf16 logits the caller casts the
+whole [s, b, V/TP] tensor to fp32 (1.6 GB for a micro-batch of 8 × 1024 tokens at a 50k vocabulary), and
+that copy is kept as the softmax until backward. Here the logits stay in the model's dtype: each chunk of
+rows is cast to fp32, reduced, and dropped; backward recomputes the chunk's softmax from the logits and the
+saved per-row max and sum. The arithmetic per row is megatron's (subtract the max, exp, sum, log − target
+logit; softmax − one-hot, times the incoming gradient), so losses and gradients match it to the bit where
+the per-row reductions do, and to fp32 rounding anywhere (tests/test_loss.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.utils import VocabUtility
+
+CHUNK_BYTES = 256 * 2**20
+"""fp32 workspace of one chunk: rows per chunk = CHUNK_BYTES / (4 · V/TP)."""
+
+
+def _vocab_range(partition: int) -> tuple[int, int]:
+    return VocabUtility.vocab_range_from_per_partition_vocab_size(
+        partition, parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size())
+
+
+def _fp32_copy(chunk: torch.Tensor) -> torch.Tensor:
+    """The chunk's one fp32 workspace, worked on in place (a copy even of fp32 logits, which backward reads)."""
+    return chunk.to(torch.float32, copy=True)
+
+
+class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, rows: int) -> torch.Tensor:
+        group = parallel_state.get_tensor_model_parallel_group()
+        partition = logits.shape[-1]
+        start, end = _vocab_range(partition)
+        flat, flat_target = logits.reshape(-1, partition), target.reshape(-1)
+        outside = (flat_target < start) | (flat_target >= end)  # the target is another TP rank's
+        local_target = flat_target - start
+        local_target[outside] = 0
+        n = flat.shape[0]
+        row_max = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for i in range(0, n, rows):
+            row_max[i : i + rows] = flat[i : i + rows].max(dim=-1)[0].float()  # exact: max commutes with the cast
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        target_logit, sum_exp = torch.empty_like(row_max), torch.empty_like(row_max)
+        for i in range(0, n, rows):
+            shifted = _fp32_copy(flat[i : i + rows])
+            shifted -= row_max[i : i + rows].unsqueeze(-1)
+            target_logit[i : i + rows] = shifted[torch.arange(len(shifted), device=shifted.device),
+                                                 local_target[i : i + rows]]
+            torch.exp(shifted, out=shifted)
+            sum_exp[i : i + rows] = shifted.sum(dim=-1)
+            del shifted  # before the next chunk's copy exists: one fp32 chunk at a time
+        target_logit[outside] = 0.0
+        dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        ctx.rows = rows
+        ctx.save_for_backward(logits, row_max, sum_exp, outside, local_target)
+        return (torch.log(sum_exp) - target_logit).view_as(target)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        logits, row_max, sum_exp, outside, local_target = ctx.saved_tensors
+        rows, partition = ctx.rows, logits.shape[-1]
+        flat, flat_grad_loss = logits.reshape(-1, partition), grad_loss.reshape(-1)
+        hit = 1.0 - outside.float()  # the one-hot's 1 sits on this rank's slice only where the target is here
+        grad = torch.empty_like(logits)  # not a view: autograd can then take it as the leaf's .grad
+        flat_grad = grad.view(-1, partition)
+        for i in range(0, flat.shape[0], rows):
+            softmax = _fp32_copy(flat[i : i + rows])
+            softmax -= row_max[i : i + rows].unsqueeze(-1)
+            torch.exp(softmax, out=softmax)
+            softmax.div_(sum_exp[i : i + rows].unsqueeze(-1))
+            softmax[torch.arange(len(softmax), device=softmax.device), local_target[i : i + rows]] -= hit[i : i + rows]
+            softmax.mul_(flat_grad_loss[i : i + rows].unsqueeze(-1))
+            flat_grad[i : i + rows] = softmax
+            del softmax
+        return grad, None, None
+
+
+def chunked_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                         chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """logits [s, b, V/TP] in any float dtype, target [s, b] -> per-token loss [s, b] in fp32."""
+    rows = max(1, chunk_bytes // (4 * logits.shape[-1]))
+    return _ChunkedVocabParallelCrossEntropy.apply(logits.contiguous(), target, rows)
