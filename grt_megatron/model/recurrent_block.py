@@ -98,6 +98,10 @@ class GatedRecurrentBlock(MegatronModule):
             with torch.no_grad():
                 self.gate_fc2.bias.fill_(config.gate_bias_init)
         self.routers = build_routers(config, init_seed) if config.routing == "expert_choice" and owns_core else None
+        # gate "fixed": 1 − g = sigmoid(−b/τ) and g, computed once in fp32 (exact as Python floats) rather
+        # than as a new device tensor at every step.
+        rate = torch.sigmoid(torch.tensor(-config.gate_bias_init / config.gate_temperature, device="cpu"))
+        self.fixed_rate, self.fixed_gate = float(rate), float(1 - rate)
         self.mor_eval_routing = config.mor_eval_routing
         """MoR outside training: `threshold` (causal) or `topk`; the trainer evaluates with both."""
         self.aux_loss: Optional[torch.Tensor] = None
@@ -162,8 +166,7 @@ class GatedRecurrentBlock(MegatronModule):
         elif cfg.gate == "residual":
             g, h_new = None, h + o
         elif cfg.gate == "fixed":
-            rate = torch.sigmoid(torch.tensor(-cfg.gate_bias_init / cfg.gate_temperature, device=h.device))
-            g, h_new = 1 - rate, h + rate * (o - h)
+            g, h_new = self.fixed_gate, h + self.fixed_rate * (o - h)
         else:
             a, _ = self.gate_fc1(torch.cat([self.gate_norm_state(h.to(dtype)), self.gate_norm_prelude(h_pre)],
                                            dim=-1))

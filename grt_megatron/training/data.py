@@ -3,10 +3,12 @@ train/valid GPT datasets, set up identically on every rank."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from grt_megatron.data import DataError, SourcePolicy, Tokenizer, load_tokenizer
@@ -38,6 +40,36 @@ def sample_noise_seeds(seed: int, iteration: int, rows: range) -> list[int]:
     (seed, iteration, row) only, not on the data-parallel rank or micro-batch that runs it."""
     return [int(np.random.SeedSequence([seed, iteration, row, _NOISE_STREAM]).generate_state(1)[0])
             for row in rows]
+
+
+class BatchPrefetcher:
+    """This rank's share of each iteration's global batch (its rows and their noise seeds), read in a
+    background thread while the step before runs, so the device never waits for the host to index the
+    dataset. On a GPU the rows are pinned, so that the copy to the device can be non-blocking.
+
+    `for iteration, (rows, seeds) in prefetcher:` runs over iterations [start, stop)."""
+
+    def __init__(self, data: TrainingData, seed: int, global_batch: int, first_row: int, per_rank: int,
+                 start: int, stop: int, pin: bool):
+        self.data, self.seed, self.global_batch = data, seed, global_batch
+        self.first_row, self.per_rank, self.pin = first_row, per_rank, pin
+        self.start, self.stop = start, stop
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prefetch")
+
+    def _load(self, iteration: int) -> tuple[torch.Tensor, list[int]]:
+        rows = torch.from_numpy(self.data.train_rows(iteration, self.global_batch, self.first_row, self.per_rank))
+        seeds = sample_noise_seeds(self.seed, iteration, range(self.first_row, self.first_row + self.per_rank))
+        return (rows.pin_memory() if self.pin else rows), seeds
+
+    def __iter__(self):
+        coming = self.pool.submit(self._load, self.start) if self.start < self.stop else None
+        for iteration in range(self.start, self.stop):
+            batch = coming.result()
+            coming = self.pool.submit(self._load, iteration + 1) if iteration + 1 < self.stop else None
+            yield iteration, batch
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def on_main_rank(info: DistributedInfo, work):

@@ -6,8 +6,9 @@
   Checkpoints are written atomically, so nothing a later `resume=auto` reads is half-written.
 - In the training loop: SIGTERM and SIGUSR1 (SLURM's warning before the time limit, preemption) and a
   first SIGINT (Ctrl-C) ask to stop: the step finishes, a checkpoint is saved, every rank stops at the
-  same step. SIGTERM/SIGUSR1 then exit 0 so that the scheduler can requeue the job; SIGINT exits 130.
-  A second SIGINT raises `Interrupted` at once.
+  same step (with several processes the step after, see trainer.py's `StopAgreement`). SIGTERM/SIGUSR1
+  then exit 0 so that the scheduler can requeue the job; SIGINT exits 130. A second SIGINT raises
+  `Interrupted` at once.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class StepRunner:
         self.micro_batch, self.accumulation = parallel.micro_batch, parallel.accumulation
         self.cfg, self.info, self.spikes = cfg, info, spikes
 
-    def train_step(self, rows: np.ndarray, seeds: Sequence[int], draw: DepthDraw, iteration: int) -> StepOutput:
+    def train_step(self, rows: torch.Tensor, seeds: Sequence[int], draw: DepthDraw, iteration: int) -> StepOutput:
         """Forward, backward and optimizer step over this rank's `rows` (its share of the global batch)."""
         raise NotImplementedError
 
@@ -54,8 +54,10 @@ class StepRunner:
         with `record_stats` the recurrence diagnostics of the first micro-batch (empty when unavailable)."""
         raise NotImplementedError
 
-    def _to_device(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.from_numpy(rows).to(self.info.device)
+    def _to_device(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, labels) on the device from rows of token ids (numpy, or a tensor pinned by the
+        prefetcher: then the copy does not block the host)."""
+        t = torch.as_tensor(rows).to(self.info.device, non_blocking=True)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
@@ -68,27 +70,37 @@ class PlainStepRunner(StepRunner):
 
     def train_step(self, rows, seeds, draw, iteration):
         total = device_zeros(dtype=torch.float32)
-        grad_norm, reason, mean_loss = None, None, float("nan")
+        grad_norm, reason, mean_loss = None, None, None
+        injected = iteration + 1 in self.cfg.train.inject_nan_at
         for index, start in enumerate(range(0, self.micro_batch * self.accumulation, self.micro_batch)):
             tokens, labels = self._to_device(rows[start : start + self.micro_batch])
             loss = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences,
                                seeds[start : start + self.micro_batch]).mean()
             total += loss.detach().float()
             if index == self.accumulation - 1:
-                # The step's loss is known before the last backward: a step to skip gets non-finite
-                # gradients, which every layout's optimizer path then drops (step_guard.py).
-                mean_loss = self._dp_mean(total / self.accumulation)
-                reason = self.spikes.check(mean_loss)
-                if iteration + 1 in self.cfg.train.inject_nan_at:
-                    reason = "injected NaN (train.inject_nan_at)"
-                if reason is not None and (reason != "loss spike" or self.cfg.train.skip_loss_spikes):
+                # The step's loss decides before the last backward whether the step is skipped: a step to
+                # skip gets non-finite gradients, which every layout's optimizer path then drops
+                # (step_guard.py). Only skipping spikes needs the loss on the host (its history) here; a
+                # non-finite loss poisons the gradients on the device, without waiting for it.
+                mean = self._dp_mean(total / self.accumulation)
+                if self.cfg.train.skip_loss_spikes:
+                    mean_loss = float(mean)
+                    reason = self.spikes.check(mean_loss)
+                if injected or reason is not None:
                     loss = loss * float("nan")
+                elif mean_loss is None:
+                    loss = loss * torch.where(torch.isfinite(mean), 1.0, float("nan"))  # x · 1 = x exactly
             self.engine.backward(loss)
             if self.clips_here and self.engine.is_gradient_accumulation_boundary():
                 # max_norm inf measures the norm and leaves the gradients as they are (clipping off).
                 grad_norm = float(clip_grad_norm_(list(self.engine.module.parameters()),
                                                   self.cfg.train.grad_clip or math.inf, mpu=MegatronMPU()))
             self.engine.step()
+        if mean_loss is None:  # known now, after the step's work is queued
+            mean_loss = float(mean)
+            reason = self.spikes.check(mean_loss)
+        if injected:
+            reason = "injected NaN (train.inject_nan_at)"
         return StepOutput(mean_loss, grad_norm, reason)
 
     @torch.no_grad()
@@ -113,12 +125,13 @@ class PlainStepRunner(StepRunner):
             dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         return float(sums[0] / sums[1]), stats
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of `value` over data-parallel ranks, on the device (nothing waits for it)."""
         value = value.detach().float().clone()
         if self.info.dp_size > 1:
             dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
             value /= self.info.dp_size
-        return float(value.item())
+        return value
 
 
 class PipelinedStepRunner(StepRunner):
@@ -148,7 +161,7 @@ class PipelinedStepRunner(StepRunner):
         loss = self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))  # eval mode: no noise
         return float(loss), []
 
-    def _micro_batches(self, rows: np.ndarray, seeds: Sequence[int], depth: tuple[int, int]) -> list:
+    def _micro_batches(self, rows, seeds: Sequence[int], depth: tuple[int, int]) -> list:
         """((tokens, noise seeds, depth), labels) per micro-batch: what DeepSpeed's pipeline engine feeds
         its first stage (the rest travels with the activations) and its last stage (labels)."""
         out = []

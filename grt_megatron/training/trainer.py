@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from grt_megatron import __version__
 from grt_megatron.checkpoint import save_checkpoint
 from grt_megatron.checkpoint.state import OptimizerState
-from grt_megatron.device import device_tensor, set_tf32
+from grt_megatron.device import set_tf32
 from grt_megatron.distributed import destroy_distributed, init_distributed
 from grt_megatron.files import write_atomic
 from grt_megatron.generation import sample_text
@@ -36,7 +37,7 @@ from grt_megatron.model import (
 )
 from grt_megatron.parallel.parallelize import parallelize
 from grt_megatron.training.config import RunConfig
-from grt_megatron.training.data import default_train_samples, sample_noise_seeds, setup_training_data
+from grt_megatron.training.data import BatchPrefetcher, default_train_samples, setup_training_data
 from grt_megatron.training.evaluation import Evaluator
 from grt_megatron.training.metrics import MetricsLogger, peak_flops_per_device
 from grt_megatron.training.resume import check_resume, restore_checkpoint, select_checkpoint, truncate_metrics
@@ -72,6 +73,41 @@ def slurm_job() -> dict:
         return {}
     return {"job_id": os.environ["SLURM_JOB_ID"], "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
             "nodes": os.environ.get("SLURM_JOB_NODELIST")}
+
+
+class StopAgreement:
+    """Whether any rank was asked to stop, agreed by every rank without stalling a step: each step this
+    rank's signal goes into a MAX all-reduce of a host tensor (gloo; on GPU the group is
+    `cpu:gloo,cuda:nccl`), started without waiting, and the previous step's result is read. Every rank
+    stops at the same step: the one after the step the signal arrived in (that step, in a world of one)."""
+
+    def __init__(self, requests: StopRequests, world_size: int):
+        self.requests, self.world_size = requests, world_size
+        self.pending = None  # the previous step's (flag, work)
+
+    def poll(self) -> Optional[str]:
+        """The signal to stop for, once every rank knows it; None to go on."""
+        mine = self.requests.signum or 0
+        if self.world_size == 1:
+            return signal.Signals(mine).name if mine else None
+        if self.pending is not None:
+            flag, work = self.pending
+            work.wait()
+            self.pending = None
+            if flag.item():
+                return signal.Signals(int(flag.item())).name
+        flag = torch.tensor([mine], dtype=torch.int64, device="cpu")  # host: reading it syncs no device
+        self.pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+        return None
+
+    def __enter__(self) -> "StopAgreement":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        # Every rank started the same last reduction: finish it (not when failing: a peer may be gone).
+        if self.pending is not None and exc_type is None:
+            self.pending[1].wait()
+            self.pending = None
 
 
 class Trainer:
@@ -149,22 +185,25 @@ class Trainer:
             self._write_run_info()
             self.tokenizer.save(self.run_dir / self.tokenizer.file_name)
         self.stop_requests = StopRequests()
+        self.stop_agreement = StopAgreement(self.stop_requests, info.world_size)
         self.peak_flops = peak_flops_per_device(cfg.train.precision, cfg.logging.peak_tflops, tf32=self.tf32)
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> TrainResult:
         cfg = self.cfg
         start = time.perf_counter()
-        progress = tqdm(range(self.start_step, cfg.train.iters), desc="train", unit="step", dynamic_ncols=True,
-                        initial=self.start_step, total=cfg.train.iters,
-                        disable=not (self.info.is_main and cfg.logging.progress))
+        per_rank = self.parallel.micro_batch * self.parallel.accumulation
+        batches = BatchPrefetcher(self.data, cfg.seed, cfg.train.global_batch_size, self.info.dp_rank * per_rank,
+                                  per_rank, self.start_step, cfg.train.iters, pin=self.info.device.type == "cuda")
+        progress = tqdm(batches, desc="train", unit="step", dynamic_ncols=True, initial=self.start_step,
+                        total=cfg.train.iters, disable=not (self.info.is_main and cfg.logging.progress))
         # SIGUSR1 (SLURM's warning before the time limit), SIGTERM (preemption) and Ctrl-C: finish the
         # step, save, and return (signals.py has the exit codes).
         loss, valid, stopped_by, checkpoint = float("nan"), float("nan"), None, None
-        with self.stop_requests.installed():
-            for iteration in progress:
+        with self.stop_requests.installed(), self.stop_agreement, closing(batches):
+            for iteration, (rows, seeds) in progress:
                 step = self.last_step = iteration + 1
-                loss = self._train_step(iteration, progress)
+                loss = self._train_step(iteration, rows, seeds, progress)
                 if step % cfg.train.eval_interval == 0 or step == cfg.train.iters:
                     valid = self.evaluator.validate(step)
                     if self.info.is_main:
@@ -178,7 +217,7 @@ class Trainer:
                                            "skipped steps in a row")
                     else:
                         checkpoint = self.save(step, "interval")
-                stopped_by = self._stop_requested()
+                stopped_by = self.stop_agreement.poll()
                 exit_every = cfg.train.exit_interval
                 if not stopped_by and exit_every and step % exit_every == 0 and step < cfg.train.iters:
                     stopped_by = "train.exit_interval"
@@ -199,16 +238,13 @@ class Trainer:
         return TrainResult(loss, valid, self.last_step, seconds, sample, self.start_step, stopped_by, checkpoint,
                            self.skipped_total)
 
-    def _train_step(self, iteration: int, progress) -> float:
-        """One optimizer step, its metrics record and progress line; returns its loss."""
+    def _train_step(self, iteration: int, rows: torch.Tensor, seeds: list[int], progress) -> float:
+        """One optimizer step on this rank's `rows` of the iteration, its metrics record and progress line;
+        returns its loss."""
         cfg = self.cfg
         started = time.perf_counter()
         draw = self.sampler.draw(iteration)
         lr = float(self.engine.get_lr()[0])  # the rate this step's update uses
-        per_rank = self.parallel.micro_batch * self.parallel.accumulation
-        first_row = self.info.dp_rank * per_rank
-        rows = self.data.train_rows(iteration, cfg.train.global_batch_size, first_row, per_rank)
-        seeds = sample_noise_seeds(cfg.seed, iteration, range(first_row, first_row + per_rank))
         out = self.runner.train_step(rows, seeds, draw, iteration)
         seconds = time.perf_counter() - started
         step, tokens = iteration + 1, cfg.train.global_batch_size * self.seq_length
@@ -260,13 +296,6 @@ class Trainer:
                 f"step {step}: {self.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm "
                 f"(loss {loss}) and were skipped, more than train.max_skipped_steps={limit}; stopping. The last "
                 f"checkpoint ({last}) holds finite weights: resume from it with a lower train.lr")
-
-    def _stop_requested(self) -> Optional[str]:
-        """The signal any rank received (all ranks agree, so they stop at the same step)."""
-        flag = device_tensor([self.stop_requests.signum or 0], dtype=torch.int64)
-        if self.info.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return signal.Signals(int(flag.item())).name if flag.item() else None
 
     # ---- checkpoints and records --------------------------------------------------------------
     def save(self, step: int, reason: str) -> Path:
