@@ -62,7 +62,10 @@ def run_mor(block, h_pre: torch.Tensor, inputs: StepInputs, recurrences: int) ->
             aux.append(F.binary_cross_entropy_with_logits(logits, keep.float()))
         # Kept tokens first, in position order; a column with fewer of them is padded by left ones.
         index = torch.arange(n, device=h.device).unsqueeze(1)
-        width = int(keep.sum(0).max())
+        if causal:  # sequences keep different numbers of tokens: the host must learn the largest
+            width = int(keep.sum(0).max())
+        else:  # top-k keeps exactly k of every sequence (all n where k >= n): known without waiting
+            width = min(k, n)
         chosen = torch.where(keep, index, index + n).argsort(dim=0)[:width]
         active, valid = active.gather(0, chosen), keep.gather(0, chosen)
         if width == 0:  # every token has left
