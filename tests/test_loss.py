@@ -16,7 +16,7 @@ def _reference(logits, target):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunk_rows", [1, 7, 48, 10_000])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 47, 10_000])  # 10 000: one chunk, megatron's own path
 def test_chunked_loss_and_gradients_equal_megatrons(world, dtype, chunk_rows):
     s, b, v = 16, 3, 300
     g = torch.Generator().manual_seed(0)
@@ -37,7 +37,8 @@ def test_chunked_loss_and_gradients_equal_megatrons(world, dtype, chunk_rows):
     tol = 1e-7 if dtype == torch.float32 else 0
     assert torch.allclose(leaf.grad.float(), ref_leaf.grad.float(), rtol=0, atol=tol), \
         (leaf.grad.float() - ref_leaf.grad.float()).abs().max()
-    assert torch.equal(leaf, logits)  # the input is not modified (megatron's works in place on fp32 logits)
+    if chunk_rows < s * b:  # chunked: the logits are not modified (megatron's works in place on fp32 ones)
+        assert torch.equal(leaf, logits)
 
 
 def test_no_fp32_copy_of_the_whole_logits(world):
