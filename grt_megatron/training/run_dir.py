@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch.distributed as dist
-
 from grt_megatron.files import write_atomic
 from grt_megatron.model import ConfigError
 
@@ -102,20 +100,3 @@ def claim_run_dir(run_dir: Path, resume: Optional[str], config_yaml: Optional[st
         raise
     return lock
 
-
-def claim_run_dir_on_main(info, run_dir: Path, resume: Optional[str], config_yaml: Optional[str],
-                          overrides: Optional[list[str]]) -> Optional[RunLock]:
-    """`claim_run_dir` on global rank 0; every rank gets the verdict (a refusal raises ConfigError on all).
-    Returns the lock on rank 0, None elsewhere."""
-    lock, refusal = None, None
-    if info.is_main:
-        try:
-            lock = claim_run_dir(run_dir, resume, config_yaml, overrides)
-        except ConfigError as err:
-            refusal = str(err)
-    box = [refusal]
-    if info.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise ConfigError(box[0])
-    return lock

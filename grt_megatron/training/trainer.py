@@ -37,11 +37,11 @@ from grt_megatron.model import (
 )
 from grt_megatron.parallel.parallelize import parallelize
 from grt_megatron.training.config import RunConfig
-from grt_megatron.training.data import BatchPrefetcher, default_train_samples, setup_training_data
+from grt_megatron.training.data import BatchPrefetcher, default_train_samples, on_main_rank, setup_training_data
 from grt_megatron.training.evaluation import Evaluator
 from grt_megatron.training.metrics import MetricsLogger, peak_flops_per_device
 from grt_megatron.training.resume import check_resume, restore_checkpoint, select_checkpoint, truncate_metrics
-from grt_megatron.training.run_dir import claim_run_dir_on_main
+from grt_megatron.training.run_dir import claim_run_dir
 from grt_megatron.training.signals import StopRequests
 from grt_megatron.training.step_guard import (
     LossSpikeDetector,
@@ -120,9 +120,10 @@ class Trainer:
         self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_minutes,
                                      cfg.train.deterministic)
         record = record or {}
-        # Rank 0 locks run.dir and checks it before anything is written; every rank gets the verdict.
-        self.lock = claim_run_dir_on_main(self.info, self.run_dir, cfg.resume, record.get("config_yaml"),
-                                          record.get("overrides"))
+        # Rank 0 locks run.dir and checks it before anything is written; every rank gets the verdict (the
+        # lock is rank 0's alone, None elsewhere).
+        self.lock = on_main_rank(self.info, lambda: claim_run_dir(self.run_dir, cfg.resume, record.get("config_yaml"),
+                                                                  record.get("overrides")))
         try:
             self._build()
         except BaseException:
