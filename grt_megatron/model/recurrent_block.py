@@ -141,42 +141,53 @@ class GatedRecurrentBlock(MegatronModule):
         return x
 
     def recurrence_step(self, h, h_pre, inputs: StepInputs, step: int):
-        """Step `step` (0-based): h_{r-1} -> h_r. `h` is the fp32 state (see `run_core`); the injection,
-        the core and the gate MLP run in the model's dtype (that of `h_pre`), the blend in fp32.
+        """Step `step` (0-based): h_{r-1} -> h_r. `h` is the fp32 state (see `run_core`).
 
+        The step's noise is drawn here, outside `step_math`, so that `step_math` is pure tensor code that
+        `torch.compile` captures whole (`train.compile`, parallel/compile.py): the per-sample generators
+        would break its graph, and the step number never enters it, so any R reuses one compiled graph.
         Additive injection skips step 0 when the state starts as h_pre (it already *is* the prelude
         output; adding it again would double it), so `injection="add"` at R = 1 is exactly dense.
         """
         cfg = self.config
-        dtype = h_pre.dtype
         eps_x = recurrence_noise(cfg, self.training, h, inputs.noise_seeds, step, NOISE_STATE)
+        # The gate logits a have the state's shape and dtype (fp32), so eps_g is drawn like h.
+        eps_g = recurrence_noise(cfg, self.training, h, inputs.noise_seeds, step, NOISE_GATE) \
+            if cfg.gate == "mlp" else None
+        add_prelude = cfg.injection == "add" and not (step == 0 and cfg.initial_state == "prelude")
+        h_new, g = self.step_math(h, h_pre, eps_x, eps_g, inputs.attention_mask, inputs.rotary_pos_emb,
+                                  add_prelude)
+        self.call_step_hooks(h, h_new, g)
+        return h_new
+
+    def step_math(self, h, h_pre, eps_x, eps_g, attention_mask, rotary_pos_emb, add_prelude: bool):
+        """Injection, core and gate of one step, given its noise: (h_r, g_r). The injection, the core and
+        the gate MLP run in the model's dtype (that of `h_pre`), the blend in fp32. `train.compile`
+        replaces this method on the instance with its compiled form."""
+        cfg = self.config
+        dtype = h_pre.dtype
         h_in = (h if eps_x is None else h + eps_x).to(dtype)
         if cfg.injection == "concat_project":
             x = self._inject(h_in, h_pre)
-        elif cfg.injection == "add" and not (step == 0 and cfg.initial_state == "prelude"):
+        elif add_prelude:
             x = h_in + h_pre
         else:
             x = h_in
-        o = run_layers(self.core, x, inputs).float()
+        o = run_layers(self.core, x, StepInputs(attention_mask, rotary_pos_emb)).float()
         # The gated blend g·h + (1−g)·o is written h + (1−g)·(o − h) with 1 − g = sigmoid(−a): near g = 1
         # the update (1−g)·(o − h) is small next to h, and bf16 (steps of 2^-8 near 1) rounds most of it
         # away, in g and in the sum; in fp32 it survives (tests/test_numerics.py).
         if cfg.gate == "none":
-            g, h_new = None, o
-        elif cfg.gate == "residual":
-            g, h_new = None, h + o
-        elif cfg.gate == "fixed":
-            g, h_new = self.fixed_gate, h + self.fixed_rate * (o - h)
-        else:
-            a, _ = self.gate_fc1(torch.cat([self.gate_norm_state(h.to(dtype)), self.gate_norm_prelude(h_pre)],
-                                           dim=-1))
-            a, _ = self.gate_fc2(F.silu(a))
-            a = a.float() / cfg.gate_temperature
-            eps_g = recurrence_noise(cfg, self.training, a, inputs.noise_seeds, step, NOISE_GATE)
-            rate = torch.sigmoid(-(a if eps_g is None else a + eps_g))
-            g, h_new = 1 - rate, h + rate * (o - h)
-        self.call_step_hooks(h, h_new, g)
-        return h_new
+            return o, None
+        if cfg.gate == "residual":
+            return h + o, None
+        if cfg.gate == "fixed":
+            return h + self.fixed_rate * (o - h), self.fixed_gate
+        a, _ = self.gate_fc1(torch.cat([self.gate_norm_state(h.to(dtype)), self.gate_norm_prelude(h_pre)], dim=-1))
+        a, _ = self.gate_fc2(F.silu(a))
+        a = a.float() / cfg.gate_temperature
+        rate = torch.sigmoid(-(a if eps_g is None else a + eps_g))
+        return h + rate * (o - h), 1 - rate
 
     def run_core(self, h_pre, inputs: StepInputs, recurrences: int, grad_recurrences: int):
         """R steps of the recurrence; the first `recurrences - grad_recurrences` run without gradient
@@ -185,7 +196,9 @@ class GatedRecurrentBlock(MegatronModule):
         if self.routers is not None:
             return run_mor(self, h_pre, inputs, recurrences)
         if self.config.initial_state == "prelude":
-            h = h_pre.float()
+            # A copy even when h_pre is fp32 already: a compiled step would otherwise specialise (and
+            # recompile) on its two inputs being one tensor at step 0.
+            h = h_pre.to(torch.float32, copy=True)
         else:
             h = random_initial_state(self.config, self.training, h_pre, inputs.noise_seeds).float()
         no_grad_steps = recurrences - grad_recurrences
