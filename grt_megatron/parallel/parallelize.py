@@ -7,7 +7,8 @@ function takes a run's layout and returns what the training loop drives:
    `tensor_model_parallel_size` and `sequence_parallel`; the gradient reduction SP needs under DeepSpeed
    is added here (`sequence_parallel.py`);
 3. pipeline parallelism: this rank's stage, its units cut from the one model (`pipeline.py`);
-4. data parallelism and ZeRO: the DeepSpeed engine (`deepspeed_engine.py`).
+4. `train.compile`: the recurrence step and the other layers compiled in place (`compile.py`);
+5. data parallelism and ZeRO: the DeepSpeed engine (`deepspeed_engine.py`).
 Recurrence checkpointing is a model setting (`model.checkpoint_recurrence`), not applied here: it
 recomputes one step of the recurrence loop, which exists only inside the block.
 """
@@ -20,6 +21,7 @@ import deepspeed
 import torch.distributed as dist
 
 from grt_megatron.model import GRTConfig, GRTLanguageModel
+from grt_megatron.parallel.compile import apply_compile
 from grt_megatron.parallel.deepspeed_engine import batch_layout, build_engine, clips_outside_deepspeed
 from grt_megatron.parallel.pipeline import GRTPipelineModule
 from grt_megatron.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
@@ -52,6 +54,8 @@ def parallelize(model_config: GRTConfig, cfg: RunConfig) -> ParallelModel:
         model = GRTLanguageModel(model_config, init_seed=cfg.seed)
     if model_config.sequence_parallel:
         register_sequence_parallel_grad_hooks(model)
+    if cfg.train.compile:
+        apply_compile(model)
     clip_outside = clips_outside_deepspeed(cfg)
     micro_batch, accumulation = batch_layout(cfg, dp_size)
     engine = build_engine(model, cfg, dp_size, clip_in_deepspeed=not clip_outside)

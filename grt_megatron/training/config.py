@@ -69,6 +69,9 @@ class TrainConfig:
     tf32: bool = True
     """On Ampere and later GPUs, fp32 matmuls use TF32 tensor cores (10-bit mantissa products, fp32
     accumulation; PyTorch's default is off). false: full fp32 (MFU is then against the fp32 peak)."""
+    compile: bool = False
+    """torch.compile the recurrence step (injection, core, gate) and every other transformer layer
+    (parallel/compile.py). Any R runs one compiled step; the first steps of a run pay the compilation."""
     deterministic: bool = False
     """Deterministic kernels only (`torch.use_deterministic_algorithms`, cuBLAS's fixed workspace): on a
     GPU a resumed run then repeats the uninterrupted one bit for bit, at some cost in speed (atomics-based

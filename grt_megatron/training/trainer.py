@@ -35,6 +35,7 @@ from grt_megatron.model import (
     forward_flops_per_token,
     train_flops_per_token,
 )
+from grt_megatron.parallel.compile import compiled_graphs
 from grt_megatron.parallel.parallelize import parallelize
 from grt_megatron.training.config import RunConfig
 from grt_megatron.training.data import BatchPrefetcher, default_train_samples, on_main_rank, setup_training_data
@@ -259,6 +260,8 @@ class Trainer:
         if self.peak_flops:  # model FLOPs (executed R) over the peak of every device in the world
             record["mfu"] = record["flops_per_s"] / (self.peak_flops * self.info.world_size)
         record.update(outcome)
+        if cfg.train.compile:
+            record["compiled_graphs"] = compiled_graphs()
         if "skipped" in record:
             record["skipped_steps"] = self.skipped_total
             if self.info.is_main:

@@ -1,0 +1,76 @@
+"""`train.compile`: torch.compile applied from outside the model, as torchtitan does.
+
+What is compiled, and why these regions:
+- the recurrence step (`GatedRecurrentBlock.step_math`: injection, the core layers, the gate and the fp32
+  blend) as one graph per block. It takes its noise as inputs and never sees the step number, so every
+  step of every R runs the same graph: a varying depth (the depth sampler, the depth sweep) never
+  recompiles. The noise draws, the truncated-backprop `no_grad` steps, recurrence checkpointing and the
+  diagnostics' step hooks stay eager around it.
+- every other transformer layer (prelude, coda, a dense model's layers, MoR's core) on its own, with
+  `Module.compile`, which keeps parameter names: checkpoints of compiled and eager runs are the same files.
+The embedding, the head and the loss stay eager (the chunked loss is already memory-bound).
+
+Graphs are specialised on shapes (`dynamic=False`): a run has one micro-batch shape in training and one in
+evaluation. `compiled_graphs` counts the graphs dynamo built; grt-train logs it, so a recompile shows in the metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state, utils as megatron_utils
+
+from grt_megatron.model.recurrent_block import GatedRecurrentBlock
+
+_TRACEABLE_MEGATRON_REGISTERED = False
+
+
+def register_traceable_megatron() -> None:
+    """Two megatron-core helpers that every layer's forward calls break dynamo's graph; while tracing,
+    dynamo runs these equivalents instead (`torch.compiler.substitute_in_graph`; eager code is untouched):
+    - `get_tensor_model_parallel_group_if_none` warns (a deprecation notice) when handed None, which
+      RowParallelLinear always does: dynamo cannot trace `warnings.warn` with a warning category;
+    - `make_viewless_tensor` sets `.data` on a new tensor so that a layer's output holds no reference to
+      the buffer it is a view of: dynamo refuses `.data` mutation, and a compiled graph's outputs are
+      not views of its freed intermediates anyway."""
+    global _TRACEABLE_MEGATRON_REGISTERED
+    if _TRACEABLE_MEGATRON_REGISTERED:
+        return
+
+    @torch.compiler.substitute_in_graph(megatron_utils.get_tensor_model_parallel_group_if_none)
+    def tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+        if not torch.distributed.is_initialized():
+            return None
+        if tp_group is not None or not parallel_state.is_initialized():
+            return tp_group
+        return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+    @torch.compiler.substitute_in_graph(megatron_utils.make_viewless_tensor)
+    def viewless_tensor(inp, requires_grad, keep_graph):
+        return inp
+
+    _TRACEABLE_MEGATRON_REGISTERED = True
+
+
+def apply_compile(model: torch.nn.Module) -> int:
+    """Compile every `GatedRecurrentBlock`'s recurrence step and every layer outside it, in place.
+    Returns the number of regions compiled."""
+    register_traceable_megatron()
+    regions = 0
+    for block in [m for m in model.modules() if isinstance(m, GatedRecurrentBlock)]:
+        in_step = set()
+        if block.routers is None and any(not isinstance(layer, torch.nn.Identity) for layer in block.core):
+            # An instance attribute shadows the method: `recurrence_step` calls the compiled one.
+            block.step_math = torch.compile(block.step_math, dynamic=False)
+            in_step = {id(layer) for layer in block.core}
+            regions += 1
+        for layer in block.layers:
+            if not isinstance(layer, torch.nn.Identity) and id(layer) not in in_step:
+                layer.compile(dynamic=False)
+                regions += 1
+    return regions
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has built in this process so far. After the first training step and the first
+    evaluation it stays constant: a rise is a recompile (grt-train logs it as `compiled_graphs`)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
