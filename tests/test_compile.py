@@ -1,0 +1,65 @@
+"""`train.compile`: compiled training equals eager, and a varying depth never recompiles."""
+
+import pytest
+import torch
+
+from conftest import read_jsonl, run_cli, tiny_config
+from grt_megatron.model import GRTLanguageModel
+from grt_megatron.parallel.compile import apply_compile
+
+QUIET = ["logging.wandb=disabled", "logging.progress=false"]
+
+
+def _train(prefix, run_dir, extra=()):
+    # GRT with noise, R ~ heavy tail (2 … 8 here) with backprop through the last 2 steps only, and
+    # recurrence checkpointing: every path around the compiled step (no_grad steps, recompute, noise).
+    proc = run_cli(["model=tiny", "data=indexed", f"data.prefixes=[{prefix}]", "model.depth_sampler=heavy_tail",
+                    "+model.heavy_tail_k=2", "model.checkpoint_recurrence=true", "train.iters=8",
+                    "train.eval_interval=4", "train.eval_iters=1", "train.global_batch_size=8",
+                    "train.micro_batch_size=4", "checkpoint.save_at_end=false", f"run.dir={run_dir}", *QUIET,
+                    *extra])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def test_compiled_training_equals_eager_and_never_recompiles(pydoc_prefix, tmp_path):
+    eager = _train(pydoc_prefix[0], tmp_path / "eager")
+    compiled = _train(pydoc_prefix[0], tmp_path / "compiled", ["train.compile=true"])
+    assert [(r.get("split"), r["step"]) for r in eager] == [(r.get("split"), r["step"]) for r in compiled]
+    for e, c in zip(eager, compiled):
+        assert c["loss"] == pytest.approx(e["loss"], rel=1e-3), (e, c)
+        if e.get("grad_norm") is not None:
+            assert c["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-3), (e, c)
+    steps = [r for r in compiled if "split" not in r]
+    assert len({r["recurrences"] for r in steps}) >= 3, "the depth sampler should vary R over 8 steps"
+    assert any(r["grad_recurrences"] < r["recurrences"] for r in steps)
+    # Graphs: the step (with gradient, without, and the first step with gradient after no_grad ones) and
+    # the prelude and coda layers after step 1; their evaluation forms after the first evaluation (step
+    # 4). From then on, whatever R the sampler draws, nothing recompiles.
+    after_eval = [r["compiled_graphs"] for r in steps if r["step"] > 4]
+    assert len(set(after_eval)) == 1 and after_eval[0] <= 8, [r["compiled_graphs"] for r in steps]
+    assert "compiled_graphs" not in eager[0]
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(prelude_layers=1, core_layers=2, coda_layers=1, recurrences=1, injection="none", gate="none",
+         noise_sigma=0.0, depth_sampler="fixed"),  # dense: its core is one compiled step
+    dict(routing="expert_choice", gate="none", injection="none", noise_sigma=0.0, depth_sampler="fixed"),  # MoR
+], ids=["dense", "mor"])
+def test_compiled_model_equals_eager_and_keeps_parameter_names(world, overrides):
+    cfg = tiny_config(**overrides)
+    tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    results = []
+    for compiled in (False, True):
+        model = GRTLanguageModel(cfg, init_seed=3)
+        names = list(model.state_dict())
+        if compiled:
+            assert apply_compile(model) >= 3
+            assert list(model.state_dict()) == names  # checkpoints of both runs are the same files
+        loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=0)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
