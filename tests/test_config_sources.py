@@ -20,6 +20,9 @@ TRAINING_ONLY = {
     "mor_eval_routing": "MoR only",
     "checkpoint_recurrence": "activation recomputation during training",
     "make_vocab_size_divisible_by": "the export cuts the padded vocabulary to vocab_size",
+    **dict.fromkeys(("layer_spec", "bias_dropout_fusion", "bias_activation_fusion", "masked_softmax_fusion",
+                     "gradient_accumulation_fusion", "apply_rope_fusion", "persist_layer_norm"),
+                    "which kernels training runs, not the function (model/kernels.py)"),
 }
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from grt_megatron.model.config import GRTConfig
+from grt_megatron.model.kernels import KERNEL_FIELDS
 
 # Changes a run cannot continue through, with why. Everything else (steps, LR schedule, logging,
 # intervals, layout: TP/PP/DP/ZeRO, precision, micro-batch size) is applied and listed.
@@ -19,8 +20,9 @@ REFUSED = {
     "data.split": "the data order", "data.tokenizer": "the tokenizer",
 }
 IGNORED = ("resume", "run.dir")
-# Model fields that change memory, speed or evaluation, not the training math.
-MODEL_ALLOWED = ("checkpoint_recurrence", "mor_eval_routing")
+# Model fields that change memory, speed or evaluation, not the training math (the kernel choices compute the
+# same function within rounding, with the same parameter names: model/kernels.py).
+MODEL_ALLOWED = ("checkpoint_recurrence", "mor_eval_routing", *KERNEL_FIELDS)
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -59,6 +61,7 @@ def compare_configs(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[st
 # now their default (the default is the old behaviour), read from GRTConfig so the two cannot drift.
 MODEL_FIELDS_ADDED_LATER = ("routing", "router_aux_loss_coeff")
 MODEL_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRTConfig) if f.name in MODEL_FIELDS_ADDED_LATER}
+MODEL_FIELD_DEFAULTS.update(dict.fromkeys(KERNEL_FIELDS, "auto"))  # absent before; may change anyway
 
 
 def compare_models(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from grt_megatron.errors import ConfigError
+from grt_megatron.model.kernels import FUSION_FIELDS, KERNEL_FIELDS, LAYER_SPECS, resolve_kernels
 from grt_megatron.parallel.layout import check_mor_layout
 
 INJECTIONS = ("concat_project", "add", "none")
@@ -28,24 +29,11 @@ ROUTINGS = ("none", "expert_choice")
 MOR_EVAL_ROUTINGS = ("threshold", "topk")
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
 
-# megatron-core settings fixed for every device (they are not recipe fields), each for a reason:
-# - use_cpu_initialization: weights are drawn whole on the CPU and then split, so a TP or PP layout
-#   starts from the exact weights of one process (model/init.py); DeepSpeed then moves them to the GPU.
-# - gradient_accumulation_fusion writes into megatron-DDP's `main_grad` buffers, which DeepSpeed has not.
-# - bias_activation_fusion is the tanh approximation of GeLU: another function than the exact GeLU the
-#   unfused layer and the exported HF model compute.
-# - masked_softmax_fusion and persist_layer_norm need apex / Transformer Engine kernels; attention is
-#   torch's fused scaled_dot_product_attention instead (model/specs.py).
-# - bias_dropout_fusion and apply_rope_fusion are jit/TE kernels, kept off until measured on a GPU.
-_PORTABLE_DEFAULTS = dict(
-    use_cpu_initialization=True,
-    gradient_accumulation_fusion=False,
-    bias_dropout_fusion=False,
-    masked_softmax_fusion=False,
-    bias_activation_fusion=False,
-    apply_rope_fusion=False,
-    persist_layer_norm=False,
-)
+# use_cpu_initialization is fixed for every device (not a recipe field): weights are drawn whole on the CPU
+# and then split, so a TP or PP layout starts from the exact weights of one process (model/init.py);
+# DeepSpeed then moves them to the GPU. The layer spec and megatron's fusion flags are recipe fields
+# (`auto` by default), resolved per device in model/kernels.py.
+_PORTABLE_DEFAULTS = dict(use_cpu_initialization=True)
 
 
 def mor_capacity(seq_len: int, recurrences: int, step: int) -> int:
@@ -110,6 +98,11 @@ class GRTConfig(TransformerConfig):
     checkpoint_recurrence: bool = False
     """Recompute each recurrence step in backward so activation memory does not grow with R."""
 
+    layer_spec: str = "local"
+    """The transformer layers' modules: `local` (megatron-core's PyTorch layers with torch's fused attention)
+    or `transformer_engine` (TE's GEMMs, norms and fused attention, same parameter names). A recipe writes
+    `auto` (TE where importable with CUDA) and the fusion flags `auto`/true/false: model/kernels.py."""
+
     make_vocab_size_divisible_by: int = 128
 
     def __post_init__(self) -> None:
@@ -122,6 +115,7 @@ class GRTConfig(TransformerConfig):
             ("depth_sampler", DEPTH_SAMPLERS),
             ("routing", ROUTINGS),
             ("mor_eval_routing", MOR_EVAL_ROUTINGS),
+            ("layer_spec", LAYER_SPECS),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -193,8 +187,11 @@ class GRTConfig(TransformerConfig):
         return self.recurrences == 1 and self.gate == "none" and self.injection == "none"
 
     def to_dict(self) -> dict[str, Any]:
-        """The recipe-level fields (plain data), enough to rebuild this config with `from_recipe`."""
-        return {name: getattr(self, name) for name in RECIPE_FIELDS}
+        """The recipe-level fields (plain data), enough to rebuild this config with `from_recipe`. The kernel
+        fields are given as the recipe wrote them (`auto`), so that the config rebuilds on any machine."""
+        out = {name: getattr(self, name) for name in RECIPE_FIELDS}
+        out.update(getattr(self, "kernel_recipe", {}))
+        return out
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -214,16 +211,22 @@ class GRTConfig(TransformerConfig):
             raise ConfigError(f"model.activation={activation!r} is not one of {', '.join(ACTIVATIONS)}")
         if precision not in ("fp32", "bf16"):
             raise ConfigError(f"train.precision={precision!r} is not one of fp32, bf16")
+        kernel_recipe = {name: recipe.pop(name, "auto") for name in KERNEL_FIELDS}
         kwargs = dict(_PORTABLE_DEFAULTS)
         kwargs.update(recipe)
         kwargs.update(parallel)
+        kwargs.update(resolve_kernels(kernel_recipe, activation=activation,
+                                      position_embedding=recipe.get("position_embedding", "learned"),
+                                      hidden_dropout=recipe.get("hidden_dropout", 0.0)))
         kwargs["activation_func"] = ACTIVATIONS[activation]
         kwargs["bf16"] = precision == "bf16"
         kwargs["params_dtype"] = torch.bfloat16 if precision == "bf16" else torch.float32
         try:
-            return cls(**kwargs)
+            config = cls(**kwargs)
         except TypeError as err:  # a wrong type in a recipe surfaces here
             raise ConfigError(f"model recipe: {err}") from None
+        config.kernel_recipe = kernel_recipe
+        return config
 
     @property
     def activation(self) -> str:
@@ -238,7 +241,7 @@ class GRTConfig(TransformerConfig):
 # Everything else in TransformerConfig keeps megatron-core's default.
 MEGATRON_RECIPE_FIELDS = (
     "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization", "activation", "add_bias_linear",
-    "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon",
+    "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon", *FUSION_FIELDS,
 )
 _MEGATRON_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
 RECIPE_FIELDS = MEGATRON_RECIPE_FIELDS + tuple(

@@ -1,8 +1,10 @@
 """ModuleSpecs for the GRT block: megatron-core's local (pure PyTorch) layer spec, with torch's fused
 attention kernel as its core attention, plus parallel linears.
 
-The local spec runs on CPU and GPU alike; a Transformer-Engine spec can be swapped in here without
-touching the model math.
+The local spec runs on CPU and GPU alike. `model.layer_spec=transformer_engine` (what `auto` picks where
+Transformer Engine is importable with CUDA, model/kernels.py) swaps in TE's linears, norms and fused
+attention module for module, so every parameter keeps its local name: checkpoints, resharding and the HF
+export need no mapping. (TE's fused norm+linear would rename the norms into the linears; not used.)
 """
 
 from __future__ import annotations
@@ -77,9 +79,19 @@ def get_norm_spec() -> type:
 
 
 def get_layer_spec(config: GRTConfig) -> ModuleSpec:
-    """megatron-core's local GPT layer with our norms (the local spec's torch norm refuses SP)."""
+    """megatron-core's local GPT layer with our norms (the local spec's torch norm refuses SP), or the same
+    layer built from Transformer Engine's modules."""
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    if config.layer_spec == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import (TEColumnParallelLinear, TEDotProductAttention,
+                                                                 TENorm, TERowParallelLinear)
+        attention.linear_qkv, attention.linear_proj = TEColumnParallelLinear, TERowParallelLinear
+        attention.core_attention = TEDotProductAttention
+        mlp.linear_fc1, mlp.linear_fc2 = TEColumnParallelLinear, TERowParallelLinear
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TENorm
+        return spec
+    attention.core_attention = SDPACoreAttention
     spec.submodules.input_layernorm = get_norm_spec()
     spec.submodules.pre_mlp_layernorm = get_norm_spec()
     return spec

@@ -35,6 +35,7 @@ from grt_megatron.model import (
     forward_flops_per_token,
     train_flops_per_token,
 )
+from grt_megatron.model.kernels import KERNEL_FIELDS, describe_kernels
 from grt_megatron.parallel.compile import compiled_graphs
 from grt_megatron.parallel.parallelize import parallelize
 from grt_megatron.training.config import RunConfig
@@ -184,6 +185,7 @@ class Trainer:
         if info.is_main and job:
             print(f"SLURM job {job['job_id']}, restart {job['restart_count']}", flush=True)
         if info.is_main:
+            print(f"kernels: {describe_kernels(self.model_config)}", flush=True)
             self._write_run_info()
             self.tokenizer.save(self.run_dir / self.tokenizer.file_name)
         self.stop_requests = StopRequests()
@@ -337,6 +339,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "model": self.model_config.to_dict(),
             "model_shape": self.model_config.shape_name,
+            "kernels": {name: getattr(self.model_config, name) for name in KERNEL_FIELDS},  # as resolved here
             "parameters": count_parameters(self.model_config)["total"],
             # Nominal: the configured R (forward × 3); executed FLOPs of each step are in metrics.jsonl.
             "train_flops_per_token_nominal": 3 * forward_flops_per_token(self.model_config, self.seq_length)["total"],
