@@ -3,6 +3,7 @@ shapes), which must pass every check and write the report it promises."""
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -104,10 +105,12 @@ def test_gpu_check_in_cpu_mode_passes_every_check(tmp_path):
     report = json.loads(output.read_text())
     failed = {c["name"]: c["detail"] for c in report["checks"] if not c["passed"]}
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:], proc.stderr[-3000:])
-    assert "9/9 checks passed" in proc.stdout and "PASS kill_resume_bf16" in proc.stdout  # progress lines
+    assert f"{len(gpu_check.CHECKS)}/{len(gpu_check.CHECKS)} checks passed" in proc.stdout and "PASS kill_resume_bf16" in proc.stdout  # progress lines
 
     assert {"device", "torch", "python", "date", "mode", "wall_s", "checks", "mfu_grt_medium", "mfu_dense_medium",
-            "grt_over_dense_flops_per_s", "medium"} <= report.keys()
+            "grt_over_dense_flops_per_s", "mfu_grt_medium_compiled", "mfu_dense_medium_compiled",
+            "grt_over_dense_flops_per_s_compiled", "host_stall_s_grt_medium", "medium", "medium_compiled"
+            } <= report.keys()
     assert report["mode"] == "cpu" and report["wall_s"] > 0
     checks = {c["name"]: c for c in report["checks"]}
     assert list(checks) == list(gpu_check.CHECKS)
@@ -133,3 +136,20 @@ def test_gpu_check_in_cpu_mode_passes_every_check(tmp_path):
     assert all(r["median_step_s"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] is None for r in rows.values())
     assert report["mfu_grt_medium"] is None and report["mfu_dense_medium"] is None
     assert report["grt_over_dense_flops_per_s"] > 0
+    assert all(r["layer_spec"] == "local" and r["fusions"] == [] and r["host_stall_s"] is None  # CPU: all off
+               for r in rows.values())
+    compiled = report["medium_compiled"]
+    assert set(compiled) == {"tiny", "tiny_dense"}
+    assert all(r["compiled"] and r["compiled_graphs"] >= 1 and r["first_step_s"] > r["median_step_s"]
+               and all(math.isfinite(v) for v in r["losses"]) for r in compiled.values())
+    # Compiling changes the speed, not the function: the first step's loss (same weights, same batch) is eager's.
+    for name, row in compiled.items():
+        assert abs(row["losses"][0] - rows[name]["losses"][0]) <= 1e-2 * abs(rows[name]["losses"][0]), name
+    assert report["grt_over_dense_flops_per_s_compiled"] > 0 and report["grt_over_dense_tokens_per_s_compiled"] > 0
+
+
+def test_kernel_busy_time_is_the_union_of_kernel_intervals():
+    from tools.bench.gpu_mfu import _busy_seconds
+
+    assert _busy_seconds([]) == 0.0
+    assert _busy_seconds([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (2.5, 2.7)]) == 4.0  # overlaps counted once

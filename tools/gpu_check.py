@@ -4,7 +4,7 @@
                                [--skip NAME ...] [--steps N]
 
 Run from the repository root; the package need not be installed (the repository is put on sys.path and the
-CLIs run as `python -m grt_megatron...`). With CUDA it checks the GPU in under 8 minutes; without it (or with
+CLIs run as `python -m grt_megatron...`). With CUDA it checks the GPU in under 9 minutes; without it (or with
 `--cpu`) it runs the same code on CPU with tiny shapes and few steps, which is how CI tests this script.
 Each check passes or fails on its own, a failure does not stop the later ones, and the exit status is 1 if
 any check failed. What each check proves:
@@ -27,8 +27,12 @@ any check failed. What each check proves:
                       1e-4, as tests/test_hf_export.py; bf16 within 2e-2 × max(1, largest logit) of the
                       framework in bf16).
   medium_throughput   medium dense (24 layers) vs medium GRT (2+5×4+2), d 1024, seq 1024, bf16, through the
-                      DeepSpeed engine: median step time, tokens/s, model FLOPs/s, MFU, peak memory. On CPU
-                      the tiny models stand in and MFU is null.
+                      DeepSpeed engine: median step time, tokens/s, model FLOPs/s, MFU, peak memory, the
+                      layer spec and fusions in effect (model/kernels.py: TE's layers where installed), and
+                      the host stall (median step time minus the time some kernel ran, from one profiled
+                      step). On CPU the tiny models stand in and MFU and the stall are null.
+  medium_compiled     the same with train.compile's torch.compile (rows also record the compiled graphs and
+                      the first, compiling, step's time).
 
 Writes a JSON report (atomically) and prints a table.
 """
@@ -60,8 +64,9 @@ from grt_megatron.training.metrics import read_metrics  # noqa: E402
 
 DEFAULT_OUTPUT = REPO / "tools" / "bench" / "results" / "gpu_check.json"
 WORKER_SCRIPT = Path(__file__).resolve().with_name("gpu_check_workers.py")
-# The whole script must fit in 8 minutes on an H200; a check that would start later fails as "not run".
-TIME_BUDGET_S = {"cuda": 450.0, "cpu": 540.0}
+# The whole script must fit in 9 minutes on an H200 (the eager checks in 8, then the compiled throughput);
+# a check that would start later fails as "not run".
+TIME_BUDGET_S = {"cuda": 540.0, "cpu": 600.0}
 LOSS_TOLERANCE = 1e-4          # cpu_vs_device_step: absolute, on the mean loss
 HF_LOGITS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}   # fp32: absolute, as tests/test_hf_export.py
 # Without deterministic kernels (refused by an op that has no deterministic CUDA kernel) a CUDA run need not reproduce
@@ -70,8 +75,12 @@ HF_LOGITS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}   # fp32: absolute, as tests/
 NONDETERMINISM_BAND = 2e-2
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "WANDB_API_KEY", "WANDB_MODE")
+# The report's top-level numbers (null when their check did not run): eager, then compiled.
+SUMMARY_KEYS = tuple(f"{key}{suffix}" for suffix in ("", "_compiled") for key in (
+    "mfu_grt_medium", "mfu_dense_medium", "grt_over_dense_flops_per_s", "grt_over_dense_tokens_per_s",
+    "host_stall_s_grt_medium", "host_stall_s_dense_medium"))
 CHECKS = ("cpu_vs_device_step", "prepare_data", "train_bf16", "kill_resume_bf16", "depth_sweep", "hf_export",
-          "hf_generate_cache", "hf_logits", "medium_throughput")
+          "hf_generate_cache", "hf_logits", "medium_throughput", "medium_compiled")
 
 
 @dataclass(frozen=True)
@@ -539,38 +548,55 @@ def check_hf_logits(ctx: Context) -> tuple[bool, dict, str]:
 
 
 # ---- (c) medium throughput --------------------------------------------------------------------------------------
-def check_medium_throughput(ctx: Context) -> tuple[bool, dict, str]:
+def measure_medium(ctx: Context, compiled: bool) -> tuple[bool, dict, str]:
     m = ctx.mode
+    suffix = "_compiled" if compiled else ""
     rows, errors = {}, {}
     for model in m.medium_models:  # one after the other: a step time measured alone
         try:
             rows[model] = run_worker(ctx, "throughput", [
                 "--model", model, "--seq", str(m.medium_seq), "--batch", str(m.medium_batch), "--warmup",
-                str(m.medium_warmup), "--timed-steps", str(m.medium_steps), "--vocab", str(m.medium_vocab)], 240)
+                str(m.medium_warmup), "--timed-steps", str(m.medium_steps), "--vocab", str(m.medium_vocab),
+                *(["--compile"] if compiled else [])], 300 if compiled else 240)
         except CheckFailed as err:  # the other model is still measured
             errors[model] = str(err)
-    ctx.results["medium"] = rows
+    ctx.results["medium" + suffix] = rows
     dense, grt = (rows.get(name) for name in m.medium_models)
-    ratio = grt["model_flops_per_s"] / dense["model_flops_per_s"] if dense and grt else None
-    ctx.results["medium_summary"] = {"mfu_grt_medium": grt and grt["mfu"], "mfu_dense_medium": dense and dense["mfu"],
-                                     "grt_over_dense_flops_per_s": ratio}
+    both = bool(dense and grt)
+    ratio = grt["model_flops_per_s"] / dense["model_flops_per_s"] if both else None
+    ctx.results["medium_summary"].update({
+        f"mfu_grt_medium{suffix}": grt and grt["mfu"], f"mfu_dense_medium{suffix}": dense and dense["mfu"],
+        f"grt_over_dense_flops_per_s{suffix}": ratio,
+        f"grt_over_dense_tokens_per_s{suffix}": grt["tokens_per_s"] / dense["tokens_per_s"] if both else None,
+        f"host_stall_s_grt_medium{suffix}": grt and grt["host_stall_s"],
+        f"host_stall_s_dense_medium{suffix}": dense and dense["host_stall_s"]})
     passed = not errors and all(r["median_step_s"] > 0 and r["losses_finite"] for r in rows.values())
     if m.name == "cuda":  # a GPU whose bf16 peak is unknown gives no MFU: say so by failing
         passed = passed and all(r["mfu"] is not None for r in rows.values())
 
     def fmt(r):
         mfu = "MFU n/a" if r["mfu"] is None else f"MFU {r['mfu']:.1%}"
-        return f"{r['model']} {r['median_step_s'] * 1e3:.0f} ms/step, {r['tokens_per_s']:,.0f} tok/s, {mfu}"
+        stall = "" if r["host_stall_s"] is None else f", host stall {r['host_stall_s'] * 1e3:.1f} ms"
+        return f"{r['model']} {r['median_step_s'] * 1e3:.0f} ms/step, {r['tokens_per_s']:,.0f} tok/s, {mfu}{stall}"
 
     summary = "; ".join([fmt(r) for r in rows.values()] + [f"{name} FAILED" for name in errors])
-    return passed, {"rows": rows, "errors": errors, "grt_over_dense_flops_per_s": ratio}, summary
+    return passed, {"rows": rows, "errors": errors, f"grt_over_dense_flops_per_s{suffix}": ratio}, summary
+
+
+def check_medium_throughput(ctx: Context) -> tuple[bool, dict, str]:
+    return measure_medium(ctx, compiled=False)
+
+
+def check_medium_compiled(ctx: Context) -> tuple[bool, dict, str]:
+    """The same, with train.compile's torch.compile (each row records its compiled graphs and first step)."""
+    return measure_medium(ctx, compiled=True)
 
 
 CHECK_FUNCTIONS: dict[str, Callable[[Context], tuple[bool, dict, str]]] = {
     "cpu_vs_device_step": check_cpu_vs_device_step, "prepare_data": check_prepare_data,
     "train_bf16": check_train_bf16, "kill_resume_bf16": check_kill_resume_bf16, "depth_sweep": check_depth_sweep,
     "hf_export": check_hf_export, "hf_generate_cache": check_hf_generate_cache, "hf_logits": check_hf_logits,
-    "medium_throughput": check_medium_throughput,
+    "medium_throughput": check_medium_throughput, "medium_compiled": check_medium_compiled,
 }
 
 
@@ -633,6 +659,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     clock = Clock(TIME_BUDGET_S[mode.name])
     ctx = Context(mode=mode, work=work, clock=clock, env=child_env(mode.name == "cpu", work))
+    ctx.results["medium_summary"] = {}
     log(clock, f"{mode.name} mode, work dir {work}, report {args.output}")
 
     checks = [run_check(ctx, name) for name in CHECKS if name not in args.skip]
@@ -642,9 +669,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": mode.name, "wall_s": round(clock.elapsed(), 1),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "checks": checks, "skipped": list(args.skip),
-        "mfu_grt_medium": summary.get("mfu_grt_medium"), "mfu_dense_medium": summary.get("mfu_dense_medium"),
-        "grt_over_dense_flops_per_s": summary.get("grt_over_dense_flops_per_s"),
-        "medium": ctx.results.get("medium", {}),
+        **{key: summary.get(key) for key in SUMMARY_KEYS},
+        "medium": ctx.results.get("medium", {}), "medium_compiled": ctx.results.get("medium_compiled", {}),
     }
     write_json_atomically(args.output, report)
     if args.work_dir is None:

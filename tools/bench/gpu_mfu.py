@@ -4,7 +4,10 @@ framework (megatron-core layers, DeepSpeed ZeRO 0). For a GPU; on a CPU it runs 
     python tools/bench/gpu_mfu.py [--model medium_grt_isoflops] [--batch 8] [--steps 20] [--peak-tflops 989]
 
 FLOPs are the model's (executed R, gate and projection counted; `grt_megatron.model.flops`). The peak is
-`--peak-tflops`, else the known peak of the GPU (`grt_megatron.training.metrics.PEAK_TFLOPS`).
+`--peak-tflops`, else the known peak of the GPU (`grt_megatron.training.metrics.PEAK_TFLOPS`). `--compile`
+applies train.compile's torch.compile. On CUDA one more step runs under torch.profiler to measure the
+host stall: the median step time minus the time at least one kernel ran, i.e. how long the GPU waited
+for the host.
 Writes tools/bench/results/gpu_mfu.json.
 """
 
@@ -35,11 +38,42 @@ from grt_megatron.model import DepthDraw, GRTLanguageModel, train_flops_per_toke
 from grt_megatron.training.metrics import peak_flops_per_device  # noqa: E402
 
 
+def _busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (kernels on several streams may overlap)."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
+def kernel_busy_seconds(step) -> dict:
+    """Run `step()` once under torch.profiler: the time at least one CUDA kernel ran. The profiler slows the
+    host, so the stall is taken against an unprofiled step's time (kernel durations are the same)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+    except Exception as err:  # noqa: BLE001 — a profiler that cannot run must not lose the throughput row
+        return {"kernel_busy_s": None, "kernels": None, "profiler_error": f"{type(err).__name__}: {err}"}
+    return {"kernel_busy_s": _busy_seconds(kernels) / 1e6, "kernels": len(kernels)}  # microseconds -> s
+
+
 def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: int, precision: str = "bf16",
                           checkpoint_recurrence: bool = False, peak_tflops: float | None = None,
-                          vocab: int = 50257) -> dict:
+                          vocab: int = 50257, compile: bool = False) -> dict:
     """`steps` timed training steps (after `warmup`) of recipe `model` through the DeepSpeed engine on this
-    process's device, at the full R (fixed depth sampler). `init_distributed` must have run."""
+    process's device, at the full R (fixed depth sampler), compiled as train.compile does if `compile`.
+    `init_distributed` must have run."""
+    from grt_megatron.model.kernels import FUSION_FIELDS
+    from grt_megatron.parallel.compile import apply_compile, compiled_graphs
+
     device = run_device()
     cuda = device.type == "cuda"
     run = run_config(model, batch, precision, f"model.max_sequence_length={seq}",
@@ -48,24 +82,39 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
     model_cfg = run.model_config(vocab)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    engine = deepspeed_engine(GRTLanguageModel(model_cfg, init_seed=0).to(device), run)
+    module = GRTLanguageModel(model_cfg, init_seed=0).to(device)
+    if compile:
+        apply_compile(module)
+    engine = deepspeed_engine(module, run)
     tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     r = model_cfg.recurrences
-    times, losses = [], []
-    for step in range(warmup + steps):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    losses = []
+
+    def step():
         loss = engine(x, y, r, r, list(range(batch))).mean()
         engine.backward(loss)
         engine.step()
+        return loss
+
+    times = []
+    first_step_s = None
+    for i in range(warmup + steps):
         if cuda:
             torch.cuda.synchronize()
-        if step >= warmup:
+        start = time.perf_counter()
+        loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i == 0:
+            first_step_s = time.perf_counter() - start  # with compile: the compilation
+        if i >= warmup:
             times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
     step_s = statistics.median(times)
+    busy = kernel_busy_seconds(step) if cuda else {"kernel_busy_s": None}
+    # How long the GPU waits for the host per step: launch overhead, syncs, Python between kernels.
+    stall = None if busy["kernel_busy_s"] is None else max(0.0, step_s - busy["kernel_busy_s"])
     flops = train_flops_per_token(model_cfg, seq, DepthDraw(r, r)) * batch * seq / step_s
     peak = peak_flops_per_device(precision, peak_tflops, tf32=tf32)
     return {"model": model, "shape": model_cfg.shape_name,
@@ -73,12 +122,16 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
             "batch": batch, "seq_length": seq, "vocab": vocab, "step_s": times, "median_step_s": step_s,
             "tokens_per_s": batch * seq / step_s, "model_flops_per_s": flops, "peak_flops_per_s": peak,
             "mfu": None if peak is None else flops / peak,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "losses": losses}
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "losses": losses,
+            "compiled": compile, "compiled_graphs": compiled_graphs() if compile else None,
+            "first_step_s": first_step_s, "layer_spec": model_cfg.layer_spec,
+            "fusions": [name for name in FUSION_FIELDS if getattr(model_cfg, name)], "host_stall_s": stall, **busy}
 
 
 # The fields of this benchmark's JSON (measure_training_step returns more).
 ROW_FIELDS = ("model", "shape", "device", "precision", "batch", "seq_length", "median_step_s", "tokens_per_s",
-              "model_flops_per_s", "mfu", "peak_memory_gib")
+              "model_flops_per_s", "mfu", "peak_memory_gib", "compiled", "compiled_graphs", "first_step_s",
+              "layer_spec", "fusions", "host_stall_s")
 
 
 def main() -> None:
@@ -91,10 +144,11 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--checkpoint-recurrence", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--compile", action="store_true", help="torch.compile as train.compile=true")
     args = parse_args(parser, "gpu_mfu")
     init_distributed(seed=0)
     measured = measure_training_step(args.model, args.batch, args.seq, args.steps, args.warmup, args.precision,
-                                     args.checkpoint_recurrence, args.peak_tflops)
+                                     args.checkpoint_recurrence, args.peak_tflops, compile=args.compile)
     row = {key: measured[key] for key in ROW_FIELDS}
     print(json.dumps(row, indent=2))
     write_result(args.output, {**stamp("gpu_mfu"), **row})
