@@ -65,7 +65,8 @@ def _inject(mp: pytest.MonkeyPatch, action: str, name: str, code: int) -> None:
     def fail(path):
         raise OSError(code, os.strerror(code), str(path))
 
-    real = {"write": store.write_file, "mkdir": Path.mkdir, "rename": os.rename, "replace": os.replace}
+    real = {"write": store.write_file, "stream": store.write_stream, "mkdir": Path.mkdir, "rename": os.rename,
+            "replace": os.replace}
 
     def write_file(path, data):
         if action == "write" and path.name == name:
@@ -73,6 +74,11 @@ def _inject(mp: pytest.MonkeyPatch, action: str, name: str, code: int) -> None:
             path.write_bytes(data[: len(data) // 2])
             fail(path)
         return real["write"](path, data)
+
+    def write_stream(path, chunks):  # the tensor files: written as a stream of chunks
+        if action == "write" and path.name == name:
+            return write_file(path, b"".join(bytes(memoryview(c).cast("B")) for c in chunks))
+        return real["stream"](path, chunks)
 
     def mkdir(self, *args, **kwargs):
         if action == "mkdir" and self.name == name:
@@ -88,6 +94,7 @@ def _inject(mp: pytest.MonkeyPatch, action: str, name: str, code: int) -> None:
 
     for module in (store, checkpointer):
         mp.setattr(module, "write_file", write_file)
+        mp.setattr(module, "write_stream", write_stream)
     mp.setattr(Path, "mkdir", mkdir)
     mp.setattr(os, "rename", renamer("rename"))
     mp.setattr(os, "replace", renamer("replace"))

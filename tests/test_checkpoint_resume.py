@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,10 +64,15 @@ def test_resume_is_bit_exact(pydoc_prefix, tmp_path, name, procs, layout):
     assert len(want) == 3 and got == want  # steps 3, 4 and the eval: losses and grad norms identical
 
 
-@pytest.mark.parametrize("layout", [["deepspeed.zero_stage=1"], ["parallel.tp=2"]], ids=["dp2-zero1", "tp2"])
+RESHARD = {"dp2-zero0": ["deepspeed.zero_stage=0"], "dp2-zero1": ["deepspeed.zero_stage=1"],
+           "dp2-zero3": ["deepspeed.zero_stage=3"], "tp2": ["parallel.tp=2"]}
+
+
+@pytest.mark.parametrize("layout", RESHARD.values(), ids=RESHARD.keys())
 def test_reshard_to_one_process(pydoc_prefix, tmp_path, layout, world):
     """Another data-parallel or tensor-parallel size and ZeRO stage: weights and optimizer state carry
-    over (no dropout, so the curves agree to reduction-order rounding, as the layouts do)."""
+    over (no dropout, so the curves agree to reduction-order rounding, as the layouts do). Each DP rank
+    wrote its own part: ZeRO partitions as pieces, replicated tensors shared out; one copy in all."""
     straight, resumed = tmp_path / "two", tmp_path / "one"
     args = _args(pydoc_prefix[0], dropout=0.0)
     proc = run_cli([*args, *layout, f"run.dir={straight}"], launcher=_torchrun(2))
@@ -84,13 +90,36 @@ def test_reshard_to_one_process(pydoc_prefix, tmp_path, layout, world):
     from grt_megatron.checkpoint.consolidate import consolidate
     from grt_megatron.model import GRTConfig, GRTLanguageModel
 
-    tensors, meta = consolidate(straight / "checkpoints" / "step_00000004", progress=False)
+    saved = straight / "checkpoints" / "step_00000004"
+    tensors, meta = consolidate(saved, progress=False)
     model = GRTLanguageModel(GRTConfig.from_recipe(json.loads(meta["model_recipe"])))
     assert model.load_state_dict(tensors, strict=True)
+    if "parallel.tp=2" not in layout:
+        parts = sorted(saved.glob("model-*.safetensors"))
+        assert [p.name for p in parts] == ["model-tp00-pp00-dp001.safetensors", "model-tp00-pp00.safetensors"]
+        elements, pieces = [], []
+        for part in parts:
+            with safe_open(str(part), "pt") as f:
+                elements.append(sum(_numel(f.get_slice(k).get_shape()) for k in f.keys()))
+                pieces += [k for k in f.keys() if "#" in k]
+        # ZeRO 3 cuts every parameter into flat pieces; replicas (ZeRO 0) are shared out whole. (ZeRO 1/2's
+        # partitions may cut one parameter or none: DeepSpeed decides where they fall.)
+        if layout != ["deepspeed.zero_stage=1"]:
+            assert bool(pieces) == (layout == ["deepspeed.zero_stage=3"]), pieces[:3]
+        # weights + two moments, once: no rank wrote what another wrote, and each wrote a fair share
+        assert sum(elements) == 3 * sum(t.numel() for t in tensors.values())
+        assert min(elements) > 0.3 * sum(elements)
     with safe_open(str(resumed / "checkpoints" / "step_00000004" / "model-tp00-pp00.safetensors"), "pt") as f:
         # ... and close to the weights the resumed one-process run reached.
         for name in ("block.layers.0.self_attention.linear_qkv.weight", "block.injection.weight"):
             assert (f.get_tensor(f"param/{name}") - tensors[name]).abs().max() < 1e-5
+
+
+def _numel(shape):
+    n = 1
+    for size in shape:
+        n *= size
+    return n
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +252,31 @@ def test_changes_are_refused_or_applied_as_listed(pydoc_prefix, tmp_path, refere
     # A run dir holding a run is not silently overwritten.
     proc = run_cli([*base, f"run.dir={reference}"])
     assert proc.returncode == 2 and "pass resume=auto to continue it" in proc.stderr
+
+
+def test_format_1_checkpoints_still_resume(pydoc_prefix, tmp_path, reference):
+    """A checkpoint written before parts per DP rank (format 1: one file per (TP, stage), no `shapes` or
+    `dp_rank` metadata) resumes bit-exactly."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "checkpoints" / "step_00000010"
+    shutil.copytree(reference / "checkpoints" / "step_00000010", old)
+    shard = old / "model-tp00-pp00.safetensors"
+    with safe_open(str(shard), "pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k in ("tp_rank", "pp_rank", "partition_dims")}
+    save_file(load_file(str(shard)), str(shard), metadata=meta)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    manifest["files"][shard.name] = {"bytes": shard.stat().st_size,
+                                     "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    run_dir = tmp_path / "run"
+    args = _args(pydoc_prefix[0], iters=12, interval=0, extra=["data.train_samples=160"])
+    proc = run_cli([*args, f"run.dir={run_dir}", f"resume={old}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _curve(run_dir) == _curve(reference, after=10)
 
 
 def test_grt_ckpt_lists_shows_and_consolidates(reference, tmp_path):

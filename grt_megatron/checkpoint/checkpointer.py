@@ -1,8 +1,13 @@
 """`save_checkpoint` / `load_checkpoint`: a running DeepSpeed engine to and from a checkpoint directory.
 
-Collective: every rank calls them. Data-parallel rank 0 of each (TP rank, pipeline stage) writes that
-shard's tensors; every rank writes its RNG states; rank 0 writes the trainer state, the tokenizer and
-the manifest, and commits. Loading reads only JSON and safetensors: nothing is unpickled.
+Collective: every rank calls them. Every rank writes, in parallel and without communicating, the part of
+its (TP rank, pipeline stage)'s fp32 weights and Adam moments that it holds: its ZeRO partition (as flat
+pieces `KEY#START` of the flattened tensor), or, where data-parallel ranks hold replicas, the whole
+tensors assigned to it (balanced by bytes). It streams them tensor by tensor from the device into its
+file, hashing on the way, so a rank's host memory holds one tensor at a time, not its part nor the shard.
+Every rank also writes its RNG states; rank 0 writes the trainer state, the tokenizer and the manifest
+(every rank's files with the sizes and hashes it measured), and commits. Loading reads only JSON and
+safetensors: nothing is unpickled; a rank that resumes at the saved TP size reads only its own TP shard.
 
 A save that fails on any rank (an OSError: full disk, no permission, read-only or failing storage) fails
 on every rank with the same `CheckpointWriteError`, after rank 0 removed the partial directory: ranks
@@ -12,15 +17,17 @@ exchange their outcome in the save's collectives, so none waits for a rank that 
 from __future__ import annotations
 
 import json
+import math
+import re
+import struct
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as save_tensors
 
 from grt_megatron.checkpoint.rng import capture_rng, restore_rng
 from grt_megatron.checkpoint.state import (
@@ -30,7 +37,6 @@ from grt_megatron.checkpoint.state import (
     OptimizerState,
     fit_vocab_rows,
     full_shape,
-    iter_state_tensors,
     merge_tp,
     named_parameters,
     partition_dim,
@@ -44,12 +50,19 @@ from grt_megatron.checkpoint.store import (
     prune,
     write_error,
     write_file,
+    write_stream,
 )
 from grt_megatron.device import device_tensor
 
 
-def shard_name(tp_rank: int, pp_rank: int) -> str:
-    return f"model-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+def shard_name(tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
+    """DP rank 0's file of a (TP rank, stage) keeps format 1's name; the other DP ranks' parts add `-dpNNN`."""
+    part = f"-dp{dp_rank:03d}" if dp_rank else ""
+    return f"model-tp{tp_rank:02d}-pp{pp_rank:02d}{part}.safetensors"
+
+
+def shard_files(path: Path, tp_rank: int, pp_rank: int) -> list[Path]:
+    return sorted(path.glob(f"model-tp{tp_rank:02d}-pp{pp_rank:02d}*.safetensors"))
 
 
 def rng_name(rank: int) -> str:
@@ -73,14 +86,15 @@ def save_checkpoint(root: Path, step: int, engine, pipelined: bool, tokenizer, t
     # the others from writing into a directory that is not there.
     failure = _broadcast(_attempt(pending.prepare, rank, pending.root) if rank == 0 else None)
     payloads = _serialize(engine, pipelined, trainer_state, rank)
+    shard = ShardPart(engine, pipelined)
     # The size is known before anything is written, so that a full disk's error can say what it needs
     # (a Hugging Face tokenizer folder's size is not: it counts as nothing, the size is "about").
-    planned = sum(map(len, payloads.values())) + (len(getattr(tokenizer, "model_proto", b"")) if rank == 0 else 0)
+    planned = sum(map(len, payloads.values())) + shard.bytes + \
+        (len(getattr(tokenizer, "model_proto", b"")) if rank == 0 else 0)
     files: dict[str, dict[str, Any]] = {}
     if failure is None:
-        failure = _attempt(lambda: _write(pending, payloads, tokenizer if rank == 0 else None, files), rank,
+        failure = _attempt(lambda: _write(pending, payloads, shard, tokenizer if rank == 0 else None, files), rank,
                            pending.root)
-    payloads.clear()  # the serialized shard is as large as the tensors: not kept past the writing
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {"files": files, "bytes": planned, "failure": failure})
     needed = sum(part["bytes"] for part in gathered)
@@ -100,30 +114,83 @@ def save_checkpoint(root: Path, step: int, engine, pipelined: bool, tokenizer, t
     return pending.root / pending.name
 
 
+class ShardPart:
+    """What this rank writes of its (TP rank, stage): the tensors' names, shapes and where each comes from
+    (views of the optimizer's state: nothing is copied until it is written), and the safetensors header."""
+
+    def __init__(self, engine, pipelined: bool):
+        tp_rank, pp_rank, dp_rank = _ranks(engine, pipelined)
+        params = named_parameters(engine.module, pipelined)
+        optimizer = OptimizerState(engine)
+        owners = _balanced_owners([(name, math.prod(full_shape(p))) for name, p in params],
+                                  parallel_state.get_data_parallel_world_size())
+        self.tensors: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
+        for name, p in params:
+            shape = tuple(full_shape(p))
+            for key in (None, *MOMENTS):
+                pieces = optimizer.own_pieces(p, key, owner=owners[name] == dp_rank)
+                for start, piece in pieces or ():
+                    whole = start == 0 and piece.numel() == math.prod(shape)
+                    label = f"{key or 'param'}/{name}" + ("" if whole else f"#{start}")
+                    self.tensors.append((label, shape if whole else (piece.numel(),), piece))
+        self.name = shard_name(tp_rank, pp_rank, dp_rank)
+        # DP rank 0 always writes its file (the shard's metadata); another rank only if it holds something.
+        self.empty = dp_rank != 0 and not self.tensors
+        meta = {"tp_rank": str(tp_rank), "pp_rank": str(pp_rank), "dp_rank": str(dp_rank),
+                "partition_dims": json.dumps({name: partition_dim(p) for name, p in params}),
+                "shapes": json.dumps({name: list(full_shape(p)) for name, p in params})}
+        self.header = safetensors_header([(label, shape) for label, shape, _ in self.tensors], meta)
+        self.bytes = 0 if self.empty else len(self.header) + sum(4 * math.prod(s) for _, s, _ in self.tensors)
+
+    def chunks(self) -> Iterator:
+        """The file's bytes: the header, then each tensor, brought to the host one at a time."""
+        yield self.header
+        for _, _, piece in self.tensors:
+            yield piece.detach().to("cpu", torch.float32).contiguous().numpy()
+
+
+def _balanced_owners(sizes: list[tuple[str, int]], dp_size: int) -> dict[str, int]:
+    """Which DP rank writes each replicated parameter: largest first to the least-loaded rank (ties to the
+    lowest), the same on every rank."""
+    load = [0] * dp_size
+    owners = {}
+    for name, numel in sorted(sizes, key=lambda item: (-item[1], item[0])):
+        rank = min(range(dp_size), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += numel
+    return owners
+
+
+def safetensors_header(tensors: list[tuple[str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+    """A safetensors header for fp32 `tensors` laid out in this order: the 8-byte little-endian length,
+    then the JSON (names, dtype, shape, byte offsets), padded with spaces to 8 bytes as the format wants."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for label, shape in tensors:
+        size = 4 * math.prod(shape)
+        header[label] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
 def _serialize(engine, pipelined: bool, trainer_state: dict[str, Any], rank: int) -> dict[str, bytes]:
-    """This rank's files as bytes: its shard's tensors (DP rank 0 of each shard), its RNG states, and on
-    rank 0 the trainer state. Gathering the tensors is collective over DP: every DP rank walks them."""
-    tp_rank, pp_rank, dp_rank = _ranks(engine, pipelined)
-    params = named_parameters(engine.module, pipelined)
-    optimizer = OptimizerState(engine)
-    tensors = {key: t.detach().to("cpu", torch.float32).contiguous()
-               for key, t in iter_state_tensors(optimizer, params)}
-    payloads = {}
-    if dp_rank == 0:
-        meta = {"tp_rank": str(tp_rank), "pp_rank": str(pp_rank),
-                "partition_dims": json.dumps({name: partition_dim(p) for name, p in params})}
-        payloads[shard_name(tp_rank, pp_rank)] = save_tensors(tensors, metadata=meta)
-    del tensors
-    payloads[rng_name(rank)] = capture_rng()
+    """This rank's small files as bytes: its RNG states and, on rank 0, the trainer state."""
+    payloads = {rng_name(rank): capture_rng()}
     if rank == 0:
+        optimizer = OptimizerState(engine)
         state = {**trainer_state, "optimizer_steps": optimizer.step_count(),
                  "lr_scheduler": {k: v for k, v in engine.lr_scheduler.state_dict().items() if k != "lr_lambdas"}}
         payloads[TRAINER_STATE] = json.dumps(state, indent=2).encode()
     return payloads
 
 
-def _write(pending: PendingSave, payloads: dict[str, bytes], tokenizer, files: dict[str, dict[str, Any]]) -> None:
+def _write(pending: PendingSave, payloads: dict[str, bytes], shard: ShardPart, tokenizer,
+           files: dict[str, dict[str, Any]]) -> None:
     """Write this rank's files (and the tokenizer, on rank 0) into the save's temporary directory."""
+    if not shard.empty:
+        files[shard.name] = write_stream(pending.tmp / shard.name, shard.chunks())
     for name, data in payloads.items():
         files[name] = write_file(pending.tmp / name, data)
     if tokenizer is not None:
@@ -157,31 +224,86 @@ def _prune(root: Path, keep_last: int) -> None:
               flush=True)
 
 
+_PIECE = re.compile(r"^(.+)#(\d+)$")
+
+
 class ShardIndex:
-    """Which saved shard file holds which tensor, for every saved (TP rank, stage)."""
+    """Which saved file holds which tensor (or which pieces of it), for every saved (TP rank, stage)."""
 
     def __init__(self, path: Path, state: dict[str, Any]):
+        self.path = path
         self.tp = int(state["layout"]["tp"])
-        self.files: dict[int, list] = {}  # stage -> handles in TP rank order
+        stages = int(state["layout"]["pp"])
+        # (stage, TP rank) -> key -> [(file handle, stored name, first element or None for a whole tensor)]
+        self.pieces: dict[tuple[int, int], dict[str, list]] = {}
+        self.shapes: dict[tuple[int, int], dict[str, list[int]]] = {}
         self.dims: dict[str, int] = {}
         try:
-            for pp in range(int(state["layout"]["pp"])):
-                handles = [safe_open(str(path / shard_name(t, pp)), framework="pt") for t in range(self.tp)]
-                self.files[pp] = handles
-                self.dims.update(json.loads(handles[0].metadata()["partition_dims"]))
+            for pp in range(stages):
+                for t in range(self.tp):
+                    files = shard_files(path, t, pp)
+                    if not files:
+                        raise CheckpointError(f"{path}: no tensor file for TP rank {t}, stage {pp}")
+                    table, shapes = {}, {}
+                    for file in files:
+                        handle = safe_open(str(file), framework="pt")
+                        meta = handle.metadata() or {}
+                        self.dims.update(json.loads(meta["partition_dims"]))
+                        shapes.update(json.loads(meta.get("shapes", "{}")))  # format 1 has whole tensors only
+                        for stored in handle.keys():
+                            match = _PIECE.match(stored)
+                            key, start = (match.group(1), int(match.group(2))) if match else (stored, None)
+                            table.setdefault(key, []).append((handle, stored, start))
+                    self.pieces[(pp, t)], self.shapes[(pp, t)] = table, shapes
         except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as err:
             raise CheckpointError(f"{path}: unreadable tensor shard ({err})") from None
         self.where = {}
-        for pp in sorted(self.files, reverse=True):  # the lowest stage holding a name wins (tied copies)
-            for key in self.files[pp][0].keys():
+        for pp in reversed(range(stages)):  # the lowest stage holding a name wins (tied copies)
+            for key in self.pieces[(pp, 0)]:
                 self.where[key] = pp
 
-    def full(self, key: str, dim: int):
+    def tp_shard(self, key: str, pp: int, t: int) -> Optional[torch.Tensor]:
+        """`key` as TP rank `t` of stage `pp` held it, assembled from its pieces; None if not saved."""
+        entries = self.pieces[(pp, t)].get(key)
+        if not entries:
+            return None
+        if len(entries) == 1 and entries[0][2] is None:
+            handle, stored, _ = entries[0]
+            return handle.get_tensor(stored)
+        shape = self.shapes[(pp, t)].get(key.split("/", 1)[1])
+        if shape is None or any(start is None for _, _, start in entries):
+            raise CheckpointError(f"{self.path}: {key} of TP rank {t}, stage {pp} mixes whole and partial copies")
+        flat = torch.empty(math.prod(shape), dtype=torch.float32)
+        end = 0
+        for handle, stored, start in sorted(entries, key=lambda e: e[2]):
+            piece = handle.get_tensor(stored).reshape(-1)
+            if start != end:
+                break
+            flat[start : start + piece.numel()] = piece
+            end = start + piece.numel()
+        if end != flat.numel():
+            raise CheckpointError(f"{self.path}: the pieces of {key} (TP rank {t}, stage {pp}) cover elements "
+                                  f"0..{end} of {flat.numel()} contiguously; a part is missing")
+        return flat.view(shape)
+
+    def full(self, key: str, dim: int) -> Optional[torch.Tensor]:
         """The tensor `key` whole across TP (`dim`: its partition dimension), or None if not saved."""
         pp = self.where.get(key)
         if pp is None:
             return None
-        return merge_tp([h.get_tensor(key) for h in self.files[pp]], dim)
+        if dim < 0:  # replicated over TP: one copy is the tensor
+            return self.tp_shard(key, pp, 0)
+        return merge_tp([self.tp_shard(key, pp, t) for t in range(self.tp)], dim)
+
+    def local(self, key: str, dim: int, tp_rank: int, tp_size: int) -> Optional[torch.Tensor]:
+        """This TP rank's part of `key`: at the saved TP size, read from its own TP shard alone."""
+        pp = self.where.get(key)
+        if pp is None:
+            return None
+        if dim < 0 or tp_size == self.tp:
+            return self.tp_shard(key, pp, 0 if dim < 0 else tp_rank)
+        full = self.full(key, dim)
+        return split_tp(full, dim, tp_rank, tp_size)
 
 
 @torch.no_grad()
@@ -200,16 +322,21 @@ def load_checkpoint(path: Path, engine, pipelined: bool, padded_vocab_size: int,
     for name, p in named_parameters(engine.module, pipelined):
         dim = partition_dim(p)  # the same model: the saved shards were split along the same dimension
         for key in (None, *MOMENTS):
-            full = index.full(f"{key or 'param'}/{name}", dim)
-            if full is None:
+            label = f"{key or 'param'}/{name}"
+            if name in VOCAB_TENSORS:  # the padded rows depend on the TP size: fitted on the whole tensor
+                local = index.full(label, dim)
+                if local is not None and local.ndim:
+                    local = split_tp(fit_vocab_rows(local, padded_vocab_size), dim, tp_rank, tp_size)
+            else:
+                local = index.local(label, dim, tp_rank, tp_size)
+            if local is None:
                 if key is None:
                     raise CheckpointError(f"{path}: holds no weights for parameter {name} of this model")
                 # A moment never created (the parameter never had a gradient); a host tensor like the
                 # ones read from the file, moved to the parameter's device below.
-                full = torch.zeros((), device="cpu")
-            if full.ndim and name in VOCAB_TENSORS:
-                full = fit_vocab_rows(full, padded_vocab_size)
-            local = split_tp(full, dim, tp_rank, tp_size) if full.ndim else full.expand(full_shape(p))
+                local = torch.zeros((), device="cpu")
+            if not local.ndim:
+                local = local.expand(full_shape(p))
             if tuple(local.shape) != tuple(full_shape(p)):
                 raise CheckpointError(f"{path}: {name} has shape {tuple(local.shape)} on this rank, the model "
                                       f"expects {tuple(full_shape(p))}")

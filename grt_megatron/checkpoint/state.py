@@ -13,7 +13,7 @@ size. State as named tensors in safetensors files is safe to read and loads into
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -60,9 +60,9 @@ class OptimizerState:
     - `copies`: no ZeRO: in fp32 the model's parameters are the master weights; in bf16 DeepSpeed keeps
       an fp32 copy of each (replicated over DP);
     - `fragments`: ZeRO 1/2 and the bf16 optimizer: each DP rank holds a fragment of a flat fp32 copy,
-      located by DeepSpeed's per-parameter `_hp_mapping`; reading assembles them (an all-reduce over DP);
+      located by DeepSpeed's per-parameter `_hp_mapping`;
     - `zero3`: parameters themselves are partitioned; the optimizer gathers and scatters them.
-    Reads are collective over the data-parallel group: every DP rank calls them in the same order.
+    Reading (`own_pieces`) needs no communication: each DP rank gives what it holds.
     """
 
     def __init__(self, engine):
@@ -122,27 +122,38 @@ class OptimizerState:
         hp = mapping.hp_fragment_address
         return source.narrow(0, hp.start, hp.numel), mapping.lp_fragment_address
 
-    def get(self, p: torch.nn.Parameter, key: Optional[str]) -> Optional[torch.Tensor]:
-        """The fp32 master weight (key None) or a moment, whole across DP; None for a moment not yet
-        created (a parameter that never received a gradient)."""
+    def _master_copy(self, p: torch.nn.Parameter, key: Optional[str]) -> Optional[torch.Tensor]:
+        """`copies` only: the fp32 master weight (key None) or a moment; None for a moment not yet created
+        (a parameter that never received a gradient)."""
+        master = self.master[id(p)]
+        if key is None:
+            return master.detach().float()
+        state = self.base.state.get(master, {})
+        return state[key].detach() if key in state else None
+
+    def own_pieces(self, p: torch.nn.Parameter, key: Optional[str], owner: bool
+                   ) -> Optional[list[tuple[int, torch.Tensor]]]:
+        """The part of `p`'s fp32 master weight (key None) or moment this DP rank holds, without any
+        communication: [(start, tensor)], `start` the first element in the flattened parameter and the
+        tensor 1-D, or whole with `p`'s shape when start is 0 and it is all of `p`; [] when this rank
+        holds none of it; None for a moment not yet created. Replicated kinds (`copies`) have no partition:
+        the `owner` DP rank gives the whole tensor, the others nothing."""
         if self.kind == "copies":
-            master = self.master[id(p)]
-            if key is None:
-                return master.detach().float()
-            state = self.base.state.get(master, {})
-            return state[key].detach() if key in state else None
-        if self.kind == "fragments":
-            if key is not None and key not in self.base.state[self.flats[0]]:
-                return None
-            full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-            piece, where = self._fragment(p, key)
-            if piece is not None:
-                full.narrow(0, where.start, where.numel).copy_(piece)
-            dist.all_reduce(full, group=p._dp_group)  # each element is held by exactly one DP rank
-            return full.view(p.shape)
+            if not owner:
+                return []
+            value = self._master_copy(p, key)
+            return None if value is None else [(0, value)]
         if key is not None and key not in self.base.state[self.flats[0]]:
             return None
-        return p._z3_optimizer.get_full_hp_param(p, key).detach().reshape(p.ds_shape)
+        if self.kind == "fragments":
+            piece, where = self._fragment(p, key)
+            return [] if piece is None else [(int(where.start), piece)]
+        opt = p._z3_optimizer  # ZeRO 3: this rank's partition, padded at the end of the last one
+        partition, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
+        n = partition.numel()
+        start = dist.get_rank(group=opt.dp_process_group) * n
+        count = max(0, min(n, p.ds_numel - start))
+        return [(start, partition.narrow(0, 0, count))] if count else []
 
     def set(self, p: torch.nn.Parameter, key: Optional[str], value: torch.Tensor) -> None:
         """Write the fp32 master weight (and the model's copy of it) or a moment."""
@@ -177,16 +188,6 @@ class OptimizerState:
         piece = value.reshape(-1).to(partition.dtype)[rank * n : (rank + 1) * n]
         partition.data.zero_()
         partition.data[: piece.numel()].copy_(piece)
-
-
-def iter_state_tensors(opt: OptimizerState, params) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, tensor) for every parameter's master weight and moments; collective over DP."""
-    for name, p in params:
-        yield f"param/{name}", opt.get(p, None)
-        for key in MOMENTS:
-            value = opt.get(p, key)
-            if value is not None:
-                yield f"{key}/{name}", value
 
 
 # ---- tensor-parallel resharding -------------------------------------------------------------------

@@ -4,7 +4,8 @@
         step_00000200/                  one complete checkpoint
             manifest.json               size and sha256 of every file below; written last
             trainer_state.json          step, samples, schedule, layout, resolved config, tokenizer, version
-            model-tp00-pp00.safetensors fp32 weights + Adam moments of one (TP rank, pipeline stage)
+            model-tp00-pp00.safetensors fp32 weights + Adam moments of one (TP rank, pipeline stage) that
+            model-tp00-pp00-dp001.safetensors  DP rank 0 holds, and those each other DP rank holds (format 2)
             rng/rank00000.safetensors   each rank's RNG states
             tokenizer.model             the run's tokenizer
             PERMANENT                   (optional) never pruned
@@ -30,12 +31,15 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from grt_megatron.files import fsync_dir
 
 FORMAT = "grt-megatron-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# 1: each (TP rank, stage) in one file written by its DP rank 0. 2: each DP rank writes the part it holds
+# (ZeRO partitions as flat pieces `KEY#START`); a file of version 1 reads as a version-2 file of whole tensors.
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 PERMANENT = "PERMANENT"
@@ -113,6 +117,22 @@ def write_file(path: Path, data: bytes) -> dict[str, Any]:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def write_stream(path: Path, chunks: Iterable) -> dict[str, Any]:
+    """Write and fsync the byte chunks (bytes or buffers) one after the other, hashing them on the way, so
+    that a file larger than memory never exists in memory whole; returns its manifest entry."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    with open(path, "wb") as f:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            f.write(view)
+            digest.update(view)
+            size += view.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
 def file_entry(path: Path) -> dict[str, Any]:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -173,9 +193,10 @@ def inspect_checkpoint(path: Path, verify_hashes: bool = False) -> CheckpointInf
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"{path}: not a grt-megatron checkpoint (manifest format "
                                   f"{manifest.get('format')!r})")
-        if manifest.get("format_version") != FORMAT_VERSION:
+        if manifest.get("format_version") not in READABLE_VERSIONS:
             raise CheckpointError(f"{path}: checkpoint format version {manifest.get('format_version')} is not "
-                                  f"supported (this grt-megatron reads version {FORMAT_VERSION})")
+                                  f"supported (this grt-megatron reads versions "
+                                  f"{', '.join(map(str, READABLE_VERSIONS))})")
         files = manifest.get("files")
         if not isinstance(files, dict) or TRAINER_STATE not in files:
             raise CheckpointError(f"{path}: manifest lists no {TRAINER_STATE}")
