@@ -98,9 +98,11 @@ class OptimizerState:
         for flat in self.flats:
             state = self.base.state[flat]
             # On the host, where torch's AdamW keeps its step count (unless fused or capturable).
-            state.setdefault("step", torch.zeros((), dtype=torch.float32, device="cpu"))
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
             for key in MOMENTS:
-                state.setdefault(key, torch.zeros_like(flat))
+                if key not in state:  # not `setdefault`: that would allocate and zero a flat buffer each time
+                    state[key] = torch.zeros_like(flat)
 
     def step_count(self) -> int:
         steps = {int(s["step"]) for s in self.base.state.values() if "step" in s}
