@@ -254,6 +254,26 @@ def test_changes_are_refused_or_applied_as_listed(pydoc_prefix, tmp_path, refere
     assert proc.returncode == 2 and "pass resume=auto to continue it" in proc.stderr
 
 
+def test_two_ranks_verify_a_checkpoint_and_skip_a_corrupt_part(pydoc_prefix, tmp_path):
+    """Resuming with 2 processes, the ranks hash the newest checkpoint's files between them; one bad byte
+    in DP rank 1's part is found, that checkpoint skipped with the reason, and the run resumes from the one
+    before it onto the uninterrupted curve."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = _args(pydoc_prefix[0], extra=["deepspeed.zero_stage=1"])
+    proc = run_cli([*args, f"run.dir={straight}"], launcher=_torchrun(2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(straight / "checkpoints", resumed / "checkpoints")
+    part = resumed / "checkpoints" / "step_00000004" / "model-tp00-pp00-dp001.safetensors"
+    data = bytearray(part.read_bytes())
+    data[-5] ^= 0x01  # the last tensor's bytes: the size is right, the hash is not
+    part.write_bytes(bytes(data))
+    proc = run_cli([*args, f"run.dir={resumed}", "resume=auto"], launcher=_torchrun(2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping" in proc.stdout and "model-tp00-pp00-dp001.safetensors does not match its sha256" in proc.stdout
+    assert "at step 2" in proc.stdout
+    assert _curve(resumed, after=2) == _curve(straight, after=2)
+
+
 def test_format_1_checkpoints_still_resume(pydoc_prefix, tmp_path, reference):
     """A checkpoint written before parts per DP rank (format 1: one file per (TP, stage), no `shapes` or
     `dp_rank` metadata) resumes bit-exactly."""

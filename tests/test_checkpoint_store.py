@@ -134,3 +134,14 @@ def test_config_changes_are_split_into_refused_and_applied():
     assert refused == ["model.recurrences: 4 -> 8 (the model's shape and math)",
                        "seed: 1 -> 2 (weights' noise, depth draws and the data order are keyed by the seed)"]
     assert applied == ["parallel.tp: 1 -> 2", "train.iters: 10 -> 20", "train.lr: 0.001 -> 0.002"]
+
+
+def test_verification_is_shared_out_by_bytes_each_file_once():
+    from grt_megatron.checkpoint.store import verification_shares
+
+    files = {"a": {"bytes": 100}, "b": {"bytes": 60}, "c": {"bytes": 50}, "d": {"bytes": 10}, "e": {"bytes": 0}}
+    shares = verification_shares(files, 2)
+    assert sorted(sum(shares, [])) == sorted(files)  # every file, once
+    assert shares == [["a", "d", "e"], ["b", "c"]]  # 110 bytes each: largest first to the least loaded
+    assert verification_shares(files, 1) == [["a", "b", "c", "d", "e"]]
+    assert verification_shares(files, 8)[5:] == [[], [], []]  # more ranks than files: some verify nothing

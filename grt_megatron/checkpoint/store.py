@@ -31,7 +31,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from grt_megatron.files import fsync_dir
 
@@ -177,6 +177,7 @@ class CheckpointInfo:
     state: dict[str, Any] = field(default_factory=dict)
     bytes: int = 0
     permanent: bool = False
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # the manifest's entries
 
 
 def inspect_checkpoint(path: Path, verify_hashes: bool = False) -> CheckpointInfo:
@@ -208,14 +209,40 @@ def inspect_checkpoint(path: Path, verify_hashes: bool = False) -> CheckpointInf
             if size != entry.get("bytes"):
                 raise CheckpointError(f"{path}: {name} has {size} bytes, the manifest says {entry.get('bytes')}")
             info.bytes += size
-            if verify_hashes and file_entry(file)["sha256"] != entry.get("sha256"):
-                raise CheckpointError(f"{path}: {name} does not match its sha256 in the manifest (corrupt)")
+        info.files = files
+        if verify_hashes and (problem := verify_files(path, files)):
+            raise CheckpointError(problem)
         info.state = read_json(path / TRAINER_STATE, "the trainer state")
         info.step = int(info.state.get("step", info.step))
         info.complete = True
     except CheckpointError as err:
         info.problem = str(err)
     return info
+
+
+def verify_files(path: Path, files: dict[str, dict[str, Any]], names: Optional[Iterable[str]] = None
+                 ) -> Optional[str]:
+    """The first of `names` (default: all) whose content does not match its sha256 in the manifest, as a
+    one-line problem; None when all match."""
+    for name in sorted(files if names is None else names):
+        if file_entry(Path(path) / name)["sha256"] != files[name].get("sha256"):
+            return f"{path}: {name} does not match its sha256 in the manifest (corrupt)"
+    return None
+
+
+def verification_shares(files: dict[str, dict[str, Any]], ranks: int) -> list[list[str]]:
+    """The manifest's files split over `ranks` verifiers by bytes (largest first to the least loaded), the
+    same on every rank: hashing a large checkpoint is spread instead of done by one rank alone."""
+    shares: list[list[str]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for name in sorted(files, key=lambda n: (-int(files[n].get("bytes", 0)), n)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        shares[rank].append(name)
+        load[rank] += int(files[name].get("bytes", 0))
+    return shares
+
+
+Verifier = Callable[[Path, dict[str, dict[str, Any]]], Optional[str]]
 
 
 # ---- a directory of checkpoints -------------------------------------------------------------------------
@@ -234,35 +261,38 @@ def checkpoint_root_of(path: Path) -> Path:
     return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
-def newest_complete(root: Path) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
-    """The newest checkpoint whose files all match their manifest, and the newer ones skipped (with why)."""
+def newest_complete(root: Path, verify: Verifier = verify_files
+                    ) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
+    """The newest checkpoint whose files all match their manifest, and the newer ones skipped (with why).
+    `verify(path, files)` checks the hashes (here, or spread over a job's ranks)."""
     skipped = []
     for candidate in reversed(list_checkpoints(root)):
+        if candidate.complete and (problem := verify(candidate.path, candidate.files)):
+            candidate.complete, candidate.problem = False, problem
         if candidate.complete:
-            verified = inspect_checkpoint(candidate.path, verify_hashes=True)
-            if verified.complete:
-                return verified, skipped
-            candidate = verified
+            return candidate, skipped
         skipped.append(candidate)
     return None, skipped
 
 
-def resolve_checkpoint(spec: str, default_root: Path, option: str = "resume=") \
+def resolve_checkpoint(spec: str, default_root: Path, option: str = "resume=", verify: Verifier = verify_files) \
         -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
     """`auto` (newest complete under `default_root`, None if there is none) or a path: a checkpoint
     directory, or a run / checkpoints directory (its newest complete checkpoint). Errors name the
     setting as `{option}{spec}` (`resume=...`, or a CLI flag such as `--checkpoint `)."""
     if spec == "auto":
-        return newest_complete(default_root)
+        return newest_complete(default_root, verify)
     path = Path(spec)
     if not path.exists():
         raise CheckpointError(f"{option}{spec}: no such file or directory")
     if (path / MANIFEST).exists() or path.is_file() or _STEP_DIR.match(path.name):
-        info = inspect_checkpoint(path, verify_hashes=True)
+        info = inspect_checkpoint(path)
+        if info.complete and (problem := verify(info.path, info.files)):
+            info.complete, info.problem = False, problem
         if not info.complete:
             raise CheckpointError(f"{option}{spec}: {info.problem}")
         return info, []
-    found, skipped = newest_complete(checkpoint_root_of(path))
+    found, skipped = newest_complete(checkpoint_root_of(path), verify)
     if found is None:
         raise CheckpointError(f"{option}{spec}: no complete checkpoint in {checkpoint_root_of(path)}"
                               + "".join(f"\n  skipped {s.path.name}: {s.problem}" for s in skipped))

@@ -19,11 +19,12 @@ from grt_megatron.checkpoint import (
     resolve_checkpoint,
     supersede_newer,
 )
+from grt_megatron.checkpoint.store import verification_shares, verify_files
 from grt_megatron.distributed import DistributedInfo, seed_everything
 from grt_megatron.files import write_atomic
 from grt_megatron.model import ConfigError
 from grt_megatron.training.config import RunConfig
-from grt_megatron.training.data import default_train_samples, on_main_rank
+from grt_megatron.training.data import default_train_samples
 
 
 def check_resume(saved: dict, cfg: RunConfig, model: dict, announce: bool) -> int:
@@ -56,13 +57,20 @@ def check_resume(saved: dict, cfg: RunConfig, model: dict, announce: bool) -> in
 
 def select_checkpoint(spec: Optional[str], checkpoint_root: Path, info: DistributedInfo
                       ) -> tuple[Optional[Path], Optional[dict]]:
-    """Rank 0 picks and verifies the checkpoint `resume=spec` names; every rank gets its (path, state)."""
+    """Rank 0 picks the checkpoint `resume=spec` names, every rank hashing its share of each candidate's
+    files (`verification_shares`: a large checkpoint is not hashed by one rank while the others wait in a
+    collective); every rank gets its (path, state)."""
     if spec is None:
         return None, None
 
+    def spread_verify(path: Path, files: dict) -> Optional[str]:
+        box = [("verify", str(path), files)]
+        dist.broadcast_object_list(box, src=0)  # the other ranks are waiting in `serve` below
+        return _verify_share(path, files, info)
+
     def pick():
         try:
-            found, skipped = resolve_checkpoint(spec, checkpoint_root)
+            found, skipped = resolve_checkpoint(spec, checkpoint_root, verify=spread_verify)
         except CheckpointError as err:
             raise ConfigError(str(err)) from None
         for s in skipped:
@@ -72,9 +80,33 @@ def select_checkpoint(spec: Optional[str], checkpoint_root: Path, info: Distribu
             return None
         return str(found.path), found.state
 
-    box = [on_main_rank(info, pick)]
-    dist.broadcast_object_list(box, src=0)
-    return (None, None) if box[0] is None else (Path(box[0][0]), box[0][1])
+    if info.is_main:
+        result, failure = None, None
+        try:
+            result = pick()
+        except ConfigError as err:
+            failure = str(err)
+        box = [("done", result, failure)]
+        dist.broadcast_object_list(box, src=0)
+    else:
+        while True:  # serve rank 0's verification requests until it has decided
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0][0] != "verify":
+                break
+            _verify_share(Path(box[0][1]), box[0][2], info)
+    _, result, failure = box[0]
+    if failure is not None:
+        raise ConfigError(failure)
+    return (None, None) if result is None else (Path(result[0]), result[1])
+
+
+def _verify_share(path: Path, files: dict, info: DistributedInfo) -> Optional[str]:
+    """Hash this rank's share of the files; the first problem any rank found (the same on every rank)."""
+    share = verification_shares(files, info.world_size)[info.rank]
+    problems: list = [None] * info.world_size
+    dist.all_gather_object(problems, verify_files(path, files, share))
+    return next((p for p in problems if p), None)
 
 
 @dataclass
