@@ -47,6 +47,9 @@ LAYOUTS = [
     ("dp2-zero2", 2, ["deepspeed.zero_stage=2"]),
     ("dp2-zero3", 2, ["deepspeed.zero_stage=3"]),
     ("pp2", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
+    # a background writer saves what a synchronous save would
+    ("1p-async", 1, ["checkpoint.async_save=true"]),
+    ("dp2-zero3-async", 2, ["deepspeed.zero_stage=3", "checkpoint.async_save=true"]),
 ]
 
 
@@ -171,15 +174,18 @@ def _kill_at(kind, proc, root, rng, timing):
     return proc.communicate()[0]
 
 
-def test_sigkill_at_random_moments_always_resumes_to_the_uninterrupted_curve(pydoc_prefix, tmp_path, reference):
+@pytest.mark.parametrize("saving", [[], ["checkpoint.async_save=true"]], ids=["sync", "async"])
+def test_sigkill_at_random_moments_always_resumes_to_the_uninterrupted_curve(pydoc_prefix, tmp_path, reference, saving):
     """One run killed ten times at seeded random moments, each time continued with resume=auto: every
-    checkpoint left is complete, each restart resumes from the newest, and the curve is the reference's."""
+    checkpoint left is complete, each restart resumes from the newest, and the curve is the reference's.
+    With async saves a `save` kill lands while the background writer runs, training already going on."""
     from grt_megatron.checkpoint import inspect_checkpoint, list_checkpoints
 
     rng = random.Random(0)
     run_dir = tmp_path / "run"
     root = run_dir / "checkpoints"
-    args = [*_args(pydoc_prefix[0], iters=12, interval=1, extra=["data.train_samples=160", "checkpoint.keep_last=2"]),
+    args = [*_args(pydoc_prefix[0], iters=12, interval=1, extra=["data.train_samples=160", "checkpoint.keep_last=2",
+                                                                 *saving]),
             f"run.dir={run_dir}"]
     plan = ["start-up"] * 2 + ["save"] * 4 + ["step"] * 3
     rng.shuffle(plan)

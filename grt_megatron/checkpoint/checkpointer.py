@@ -21,6 +21,7 @@ import math
 import re
 import struct
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -80,38 +81,72 @@ def save_checkpoint(root: Path, step: int, engine, pipelined: bool, tokenizer, t
                     keep_last: int, permanent: bool = False) -> Path:
     """Write the engine's state at `step` under `root` atomically; returns the checkpoint directory.
     Raises CheckpointWriteError on every rank if any rank could not write (nothing of the save is left)."""
+    return write_snapshot(snapshot_checkpoint(root, step, engine, pipelined, tokenizer, trainer_state, keep_last,
+                                              permanent, copy=False))
+
+
+@dataclass
+class SaveSnapshot:
+    """Everything one rank writes for one checkpoint, taken at the step (`snapshot_checkpoint`)."""
+
+    pending: PendingSave
+    shard: "ShardPart"
+    payloads: dict[str, bytes]
+    tokenizer: Any
+    keep_last: int
+    permanent: bool
+
+    @property
+    def path(self) -> Path:
+        return self.pending.root / self.pending.name
+
+
+@torch.no_grad()
+def snapshot_checkpoint(root: Path, step: int, engine, pipelined: bool, tokenizer, trainer_state: dict[str, Any],
+                        keep_last: int, permanent: bool = False, copy: bool = True) -> SaveSnapshot:
+    """This rank's part of the checkpoint at `step`, without writing or communicating anything: its RNG
+    states and (rank 0) the trainer state as bytes, and its tensors, copied to host memory (pinned on CUDA)
+    with `copy` so that training may go on while a background writer writes them (`AsyncSaver`)."""
+    rank = dist.get_rank()
+    shard = ShardPart(engine, pipelined)
+    if copy:
+        shard.copy_to_host()
+    return SaveSnapshot(PendingSave(root, step), shard, _serialize(engine, pipelined, trainer_state, rank),
+                        tokenizer if rank == 0 else None, keep_last, permanent)
+
+
+def write_snapshot(snapshot: SaveSnapshot, group=None) -> Path:
+    """Write a snapshot and commit it: collective over `group` (every rank, default the world's group; a
+    background writer uses a group of its own so that its collectives never interleave with training's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    pending = PendingSave(root, step)
+    pending, shard, payloads = snapshot.pending, snapshot.shard, snapshot.payloads
     # Rank 0 makes the temporary directory. Broadcasting whether it could (rather than a barrier) keeps
     # the others from writing into a directory that is not there.
-    failure = _broadcast(_attempt(pending.prepare, rank, pending.root) if rank == 0 else None)
-    payloads = _serialize(engine, pipelined, trainer_state, rank)
-    shard = ShardPart(engine, pipelined)
+    failure = _broadcast(_attempt(pending.prepare, rank, pending.root) if rank == 0 else None, group)
     # The size is known before anything is written, so that a full disk's error can say what it needs
     # (a Hugging Face tokenizer folder's size is not: it counts as nothing, the size is "about").
-    planned = sum(map(len, payloads.values())) + shard.bytes + \
-        (len(getattr(tokenizer, "model_proto", b"")) if rank == 0 else 0)
+    planned = sum(map(len, payloads.values())) + shard.bytes + len(getattr(snapshot.tokenizer, "model_proto", b""))
     files: dict[str, dict[str, Any]] = {}
     if failure is None:
-        failure = _attempt(lambda: _write(pending, payloads, shard, tokenizer if rank == 0 else None, files), rank,
-                           pending.root)
+        failure = _attempt(lambda: _write(pending, payloads, shard, snapshot.tokenizer, files), rank, pending.root)
+    shard.release()  # a snapshot's host copy is not kept past its writing
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, {"files": files, "bytes": planned, "failure": failure})
+    dist.all_gather_object(gathered, {"files": files, "bytes": planned, "failure": failure}, group=group)
     needed = sum(part["bytes"] for part in gathered)
     failure = next((part["failure"] for part in gathered if part["failure"]), None)  # the lowest rank's
     if rank == 0:
         if failure is None:
             every_file = {k: v for part in gathered for k, v in part["files"].items()}
-            failure = _attempt(lambda: pending.commit(every_file, permanent), rank, pending.root)
+            failure = _attempt(lambda: pending.commit(every_file, snapshot.permanent), rank, pending.root)
         if failure is None:
-            _prune(pending.root, keep_last)
+            _prune(pending.root, snapshot.keep_last)
         else:
             pending.discard()
     # The commit's outcome (rather than a barrier): after it the save is in place, or gone, on every rank.
-    failure = _broadcast(failure)
+    failure = _broadcast(failure, group)
     if failure is not None:
         raise write_error(pending.name, pending.root, failure, needed, world)
-    return pending.root / pending.name
+    return snapshot.path
 
 
 class ShardPart:
@@ -141,6 +176,22 @@ class ShardPart:
                 "shapes": json.dumps({name: list(full_shape(p)) for name, p in params})}
         self.header = safetensors_header([(label, shape) for label, shape, _ in self.tensors], meta)
         self.bytes = 0 if self.empty else len(self.header) + sum(4 * math.prod(s) for _, s, _ in self.tensors)
+
+    def copy_to_host(self) -> None:
+        """Replace the views of the optimizer's state by host copies (pinned on CUDA, so that the copies
+        run at full speed); training may change the originals afterwards."""
+        copies = []
+        for label, shape, piece in self.tensors:
+            pinned = piece.is_cuda
+            host = torch.empty(piece.shape, dtype=torch.float32, device="cpu", pin_memory=pinned)
+            host.copy_(piece.detach(), non_blocking=pinned)
+            copies.append((label, shape, host))
+        if any(piece.is_cuda for _, _, piece in self.tensors):
+            torch.cuda.synchronize()  # the copies are complete before the optimizer's next step
+        self.tensors = copies
+
+    def release(self) -> None:
+        self.tensors = [(label, shape, None) for label, shape, _ in self.tensors]
 
     def chunks(self) -> Iterator:
         """The file's bytes: the header, then each tensor, brought to the host one at a time."""
@@ -208,10 +259,10 @@ def _attempt(action: Callable[[], Any], rank: int, root: Path) -> Optional[dict[
     return None
 
 
-def _broadcast(value):
+def _broadcast(value, group=None):
     """Rank 0's `value` on every rank."""
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 

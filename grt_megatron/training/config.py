@@ -165,6 +165,10 @@ class CheckpointConfig:
     keep_every: Optional[int] = None
     """Checkpoints at multiples of this step are permanent (never pruned)."""
     save_at_end: bool = True
+    async_save: bool = False
+    """Write checkpoints from a background thread: the step only copies this rank's part to (pinned) host
+    memory, then training goes on. One save at a time; the end of training and a signal wait for it.
+    (`async` is a Python keyword, hence the name.)"""
     dir: Optional[str] = None
     """Default `{run.dir}/checkpoints`."""
 

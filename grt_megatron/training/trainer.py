@@ -22,6 +22,8 @@ from tqdm import tqdm
 
 from grt_megatron import __version__
 from grt_megatron.checkpoint import save_checkpoint
+from grt_megatron.checkpoint.async_save import AsyncSaver
+from grt_megatron.checkpoint.checkpointer import snapshot_checkpoint
 from grt_megatron.checkpoint.state import OptimizerState
 from grt_megatron.device import set_tf32
 from grt_megatron.distributed import destroy_distributed, init_distributed
@@ -168,6 +170,7 @@ class Trainer:
         self.sampler = DepthSampler.from_config(self.model_config, cfg.seed)
         self.runner = build_step_runner(self.parallel, cfg, info, self.spikes, len(self.data.valid_rows))
         self.start_step = self.last_saved = 0
+        self.saver = AsyncSaver() if cfg.checkpoint.async_save else None
         if self.resume_path is not None:
             restored = restore_checkpoint(self.resume_path, self.saved, self.engine, self.pipelined,
                                           self.model_config.padded_vocab_size, self._layout(), cfg, info,
@@ -231,6 +234,8 @@ class Trainer:
                     break
             if not stopped_by and cfg.checkpoint.save_at_end and self.last_saved != cfg.train.iters:
                 checkpoint = self.save(cfg.train.iters, "end")
+            if self.saver is not None:
+                self.saver.wait()  # the run ends with its last checkpoint committed (or its failure raised)
         seconds = time.perf_counter() - start
         finished = not stopped_by and self.last_step == cfg.train.iters and self.start_step < cfg.train.iters
         if finished and cfg.train.depth_sweep is not None:
@@ -321,6 +326,21 @@ class Trainer:
                                    f"one, step {self.last_saved}, is kept): resume from it with a lower train.lr")
         permanent = bool(c.checkpoint.keep_every and step % c.checkpoint.keep_every == 0)
         start = time.perf_counter()
+        if self.saver is not None:
+            self.saver.wait()  # never two saves in flight
+            snapshot = snapshot_checkpoint(self.checkpoint_root, step, self.engine, self.pipelined, self.tokenizer,
+                                           state, c.checkpoint.keep_last, permanent, copy=True)
+            blocked = time.perf_counter() - start
+            main = self.info.is_main
+
+            def committed(path: Path, seconds: float) -> None:
+                if main:
+                    tqdm.write(f"step {step}: saved checkpoint {path} in {seconds:.2f} s in the background "
+                               f"(training waited {blocked:.2f} s; {reason})")
+
+            self.saver.submit(snapshot, committed)
+            self.last_saved = step
+            return snapshot.path
         path = save_checkpoint(self.checkpoint_root, step, self.engine, self.pipelined, self.tokenizer, state,
                                c.checkpoint.keep_last, permanent)
         self.last_saved = step
