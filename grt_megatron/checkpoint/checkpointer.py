@@ -346,6 +346,32 @@ class ShardIndex:
             return self.tp_shard(key, pp, 0)
         return merge_tp([self.tp_shard(key, pp, t) for t in range(self.tp)], dim)
 
+    def flat_range(self, key: str, t: int, start: int, count: int) -> Optional[torch.Tensor]:
+        """Elements [start, start + count) of the flattened `key` of TP rank `t`, reading only the byte
+        ranges of its pieces that overlap them (row slices of a whole tensor); None if not saved."""
+        pp = self.where.get(key)
+        entries = None if pp is None else self.pieces[(pp, t)].get(key)
+        if not entries:
+            return None
+        out = torch.empty(count, dtype=torch.float32)
+        end, filled = start + count, 0
+        for handle, stored, first in entries:
+            piece = handle.get_slice(stored)
+            shape = piece.get_shape()
+            row = math.prod(shape[1:]) if len(shape) > 1 else 1
+            base = first or 0
+            lo, hi = max(start, base), min(end, base + math.prod(shape))
+            if lo >= hi:
+                continue
+            r0, r1 = (lo - base) // row, -(-(hi - base) // row)  # the rows (or elements) that hold [lo, hi)
+            values = piece[r0:r1].reshape(-1)
+            out[lo - start : hi - start] = values[lo - base - r0 * row : hi - base - r0 * row]
+            filled += hi - lo
+        if filled != count:
+            raise CheckpointError(f"{self.path}: the pieces of {key} (TP rank {t}) cover {filled} of the {count} "
+                                  f"elements from {start} this rank needs")
+        return out
+
     def local(self, key: str, dim: int, tp_rank: int, tp_size: int) -> Optional[torch.Tensor]:
         """This TP rank's part of `key`: at the saved TP size, read from its own TP shard alone."""
         pp = self.where.get(key)
@@ -374,6 +400,12 @@ def load_checkpoint(path: Path, engine, pipelined: bool, padded_vocab_size: int,
         dim = partition_dim(p)  # the same model: the saved shards were split along the same dimension
         for key in (None, *MOMENTS):
             label = f"{key or 'param'}/{name}"
+            held = optimizer.own_range(p) if key is not None else None
+            if held is not None and tp_size == index.tp and name not in VOCAB_TENSORS:
+                # A ZeRO partition's moments: only the elements this rank holds are read.
+                values = index.flat_range(label, tp_rank, *held) if held[1] else None
+                optimizer.set_moment_range(p, key, held[0], values.to(p.device) if values is not None else None)
+                continue
             if name in VOCAB_TENSORS:  # the padded rows depend on the TP size: fitted on the whole tensor
                 local = index.full(label, dim)
                 if local is not None and local.ndim:

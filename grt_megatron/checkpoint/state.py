@@ -157,6 +157,33 @@ class OptimizerState:
         count = max(0, min(n, p.ds_numel - start))
         return [(start, partition.narrow(0, 0, count))] if count else []
 
+    def own_range(self, p: torch.nn.Parameter) -> Optional[tuple[int, int]]:
+        """(first element, count) of the flattened `p` whose moments this DP rank holds, when that is all a
+        load needs to read of them (ZeRO partitions); None when it needs the whole tensor (replicas)."""
+        if self.kind == "fragments":
+            _, where = self._fragment(p, MOMENTS[0]) if p._hp_mapping is not None else (None, None)
+            return (0, 0) if where is None else (int(where.start), int(where.numel))
+        if self.kind == "zero3":
+            opt = p._z3_optimizer
+            n = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=None)[0].numel()
+            start = dist.get_rank(group=opt.dp_process_group) * n
+            return start, max(0, min(n, p.ds_numel - start))
+        return None
+
+    def set_moment_range(self, p: torch.nn.Parameter, key: str, start: int, values: Optional[torch.Tensor]) -> None:
+        """Write this rank's partition of a moment from `values`, the flattened elements from `start` on
+        (`own_range`); None: zeros (a moment never created)."""
+        if self.kind == "fragments":
+            piece, where = self._fragment(p, key)
+            if piece is not None:
+                piece.copy_(values) if values is not None else piece.zero_()
+            return
+        opt = p._z3_optimizer
+        partition, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
+        partition.data.zero_()
+        if values is not None:
+            partition.data[: values.numel()].copy_(values.to(partition.dtype))
+
     def set(self, p: torch.nn.Parameter, key: Optional[str], value: torch.Tensor) -> None:
         """Write the fp32 master weight (and the model's copy of it) or a moment."""
         if self.kind == "copies":
