@@ -41,6 +41,22 @@ def tiny_config(**overrides):
     return GRTConfig.from_recipe(recipe)
 
 
+def loss_and_grads(model, tokens):
+    """One forward and backward of `model` on `tokens` (next-token targets): (mean loss, {name: grad})."""
+    loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_step(got, want, loss_rtol: float, grad_rtol: float, grad_atol: float) -> None:
+    """Two `loss_and_grads` results agree: the loss within `loss_rtol`, every gradient within its tolerances."""
+    import torch
+
+    torch.testing.assert_close(got[0], want[0], rtol=loss_rtol, atol=0)
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=grad_rtol, atol=grad_atol, msg=name)
+
+
 def run_cli(args: list[str], env: dict | None = None, launcher: list[str] | None = None,
             timeout: int = 600) -> subprocess.CompletedProcess:
     """`grt-train ARGS` in a fresh process (optionally under torchrun), as a user would run it."""

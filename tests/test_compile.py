@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import read_jsonl, run_cli, tiny_config
+from conftest import assert_same_step, loss_and_grads, read_jsonl, run_cli, tiny_config
 from grt_megatron.model import GRTLanguageModel
 from grt_megatron.parallel.compile import apply_compile
 
@@ -56,10 +56,6 @@ def test_compiled_model_equals_eager_and_keeps_parameter_names(world, overrides)
         if compiled:
             assert apply_compile(model) >= 3
             assert list(model.state_dict()) == names  # checkpoints of both runs are the same files
-        loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
-    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=0)
-    for name, grad in eager_grads.items():
-        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        results.append(loss_and_grads(model, tokens))
+    eager, compiled = results
+    assert_same_step(compiled, eager, loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)

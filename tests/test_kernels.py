@@ -3,7 +3,7 @@ reason, the same function whichever is chosen, and checkpoints that record the r
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import assert_same_step, loss_and_grads, tiny_config
 
 from grt_megatron.checkpoint.compat import compare_models
 from grt_megatron.model import ConfigError, GRTLanguageModel
@@ -85,10 +85,6 @@ def test_fused_bias_dropout_add_computes_the_unfused_function(world):
         assert cfg.bias_dropout_fusion is fused
         model = GRTLanguageModel(cfg, init_seed=5).train()
         torch.manual_seed(11)  # the same recurrence noise and depth in both
-        loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (loss, grads), (fused_loss, fused_grads) = results
-    torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
-    for name, grad in grads.items():
-        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        results.append(loss_and_grads(model, tokens))
+    unfused, fused = results
+    assert_same_step(fused, unfused, loss_rtol=1e-6, grad_rtol=1e-5, grad_atol=1e-7)

@@ -24,10 +24,20 @@ quiet_known_warnings()
 
 # The vocabulary of the CPU training-step benchmarks; their tokens are random.
 CPU_VOCAB = 2048
+# Their shapes: the recipe, and the hidden size it is scaled down to (None: the recipe's own).
+CPU_SHAPES = {"tiny": ("tiny", None), "small": ("small_grt_isoflops", 256)}
 
 
 def argument_parser(doc: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The CPU training-step benchmarks' flags: which shapes, how many timed and warm-up steps, the batch."""
+    parser.add_argument("--shapes", default=",".join(CPU_SHAPES))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
 
 
 def parse_args(parser: argparse.ArgumentParser, benchmark: str) -> argparse.Namespace:

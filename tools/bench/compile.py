@@ -25,20 +25,14 @@ import torch  # noqa: E402
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.parallel.compile import apply_compile, compiled_graphs  # noqa: E402
 
-SHAPES = {"tiny": ("tiny", None), "small": ("small_grt_isoflops", 256)}
-
-
 def main() -> None:
     parser = common.argument_parser(__doc__)
-    parser.add_argument("--shapes", default="tiny,small")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
+    common.add_step_arguments(parser)
     args = common.parse_args(parser, "compile")
     init_distributed(seed=0)
     results = []
     for shape in args.shapes.split(","):
-        recipe, width = SHAPES[shape]
+        recipe, width = common.CPU_SHAPES[shape]
         engines = {}
         for mode in ("eager", "compiled"):
             run, cfg, engine = common.cpu_step_engine(recipe, args.batch, seed=0, width=width)

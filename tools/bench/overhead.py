@@ -25,9 +25,6 @@ import torch  # noqa: E402
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.hf.convert import build_hf_model  # noqa: E402
 
-SHAPES = {"tiny": ("tiny", None), "small": ("small_grt_isoflops", 256)}
-
-
 def plain_step(model, optimizer, x, y):
     logits = model(x, use_cache=False).logits
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -39,17 +36,14 @@ def plain_step(model, optimizer, x, y):
 
 def main() -> None:
     parser = common.argument_parser(__doc__)
-    parser.add_argument("--shapes", default="tiny,small")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
+    common.add_step_arguments(parser)
     args = common.parse_args(parser, "overhead")
     init_distributed(seed=0)
     from deepspeed.runtime.utils import clip_grad_norm_
 
     results = []
     for shape in args.shapes.split(","):
-        recipe, width = SHAPES[shape]
+        recipe, width = common.CPU_SHAPES[shape]
         run, cfg, engine = common.cpu_step_engine(recipe, args.batch, seed=0, width=width)
         weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()
                    if torch.is_tensor(v) and not k.endswith("_extra_state")}
