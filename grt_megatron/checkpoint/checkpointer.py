@@ -324,7 +324,7 @@ class ShardIndex:
         shape = self.shapes[(pp, t)].get(key.split("/", 1)[1])
         if shape is None or any(start is None for _, _, start in entries):
             raise CheckpointError(f"{self.path}: {key} of TP rank {t}, stage {pp} mixes whole and partial copies")
-        flat = torch.empty(math.prod(shape), dtype=torch.float32)
+        flat = torch.empty(math.prod(shape), dtype=torch.float32, device="cpu")  # read from the files
         end = 0
         for handle, stored, start in sorted(entries, key=lambda e: e[2]):
             piece = handle.get_tensor(stored).reshape(-1)
@@ -353,7 +353,7 @@ class ShardIndex:
         entries = None if pp is None else self.pieces[(pp, t)].get(key)
         if not entries:
             return None
-        out = torch.empty(count, dtype=torch.float32)
+        out = torch.empty(count, dtype=torch.float32, device="cpu")  # read from the files
         end, filled = start + count, 0
         for handle, stored, first in entries:
             piece = handle.get_slice(stored)
