@@ -82,6 +82,14 @@ def cpu_step_engine(recipe: str, batch: int, seed: int, width: int | None = None
     return run, model_cfg, deepspeed_engine(GRTLanguageModel(model_cfg, init_seed=seed), run)
 
 
+def random_batch(batch: int, seq: int):
+    """(inputs, next-token targets) of `batch` random sequences of `seq` tokens, the same every run."""
+    import torch
+
+    tokens = torch.randint(0, CPU_VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
 def stamp(benchmark: str, with_torch: bool = False) -> dict:
     """The head of a result file: which benchmark, when, by which command; with torch's version and threads
     for the ones that time torch on the CPU."""

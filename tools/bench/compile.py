@@ -20,10 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 
 from tools.bench import common  # noqa: E402
 
-import torch  # noqa: E402
-
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.parallel.compile import apply_compile, compiled_graphs  # noqa: E402
+
 
 def main() -> None:
     parser = common.argument_parser(__doc__)
@@ -40,8 +39,7 @@ def main() -> None:
                 apply_compile(engine.module)
             engines[mode] = engine
         seq = cfg.max_sequence_length
-        tokens = torch.randint(0, common.CPU_VOCAB, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0))
-        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        x, y = common.random_batch(args.batch, seq)
         times = {mode: [] for mode in engines}
         losses = {mode: [] for mode in engines}
         graphs_before = compiled_graphs()

@@ -54,8 +54,7 @@ def main() -> None:
         optimizer = torch.optim.AdamW(plain.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)
         seq = cfg.max_sequence_length
-        tokens = torch.randint(0, common.CPU_VOCAB, (args.batch, seq + 1), generator=torch.Generator().manual_seed(0))
-        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        x, y = common.random_batch(args.batch, seq)
         times = {"grt-megatron": [], "plain PyTorch": []}
         for step in range(args.warmup + args.steps):
             start = time.perf_counter()
