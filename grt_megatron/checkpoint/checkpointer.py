@@ -46,6 +46,7 @@ from grt_megatron.checkpoint.state import (
 from grt_megatron.checkpoint.store import (
     TRAINER_STATE,
     PendingSave,
+    balanced_owners,
     free_bytes,
     os_failure,
     prune,
@@ -157,8 +158,9 @@ class ShardPart:
         tp_rank, pp_rank, dp_rank = _ranks(engine, pipelined)
         params = named_parameters(engine.module, pipelined)
         optimizer = OptimizerState(engine)
-        owners = _balanced_owners([(name, math.prod(full_shape(p))) for name, p in params],
-                                  parallel_state.get_data_parallel_world_size())
+        # Replicated parameters (no ZeRO) are written by one DP rank each, balanced by size.
+        owners = balanced_owners({name: math.prod(full_shape(p)) for name, p in params},
+                                 parallel_state.get_data_parallel_world_size())
         self.tensors: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
         for name, p in params:
             shape = tuple(full_shape(p))
@@ -198,18 +200,6 @@ class ShardPart:
         yield self.header
         for _, _, piece in self.tensors:
             yield piece.detach().to("cpu", torch.float32).contiguous().numpy()
-
-
-def _balanced_owners(sizes: list[tuple[str, int]], dp_size: int) -> dict[str, int]:
-    """Which DP rank writes each replicated parameter: largest first to the least-loaded rank (ties to the
-    lowest), the same on every rank."""
-    load = [0] * dp_size
-    owners = {}
-    for name, numel in sorted(sizes, key=lambda item: (-item[1], item[0])):
-        rank = min(range(dp_size), key=lambda r: (load[r], r))
-        owners[name] = rank
-        load[rank] += numel
-    return owners
 
 
 def safetensors_header(tensors: list[tuple[str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:

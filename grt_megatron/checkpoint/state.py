@@ -150,24 +150,28 @@ class OptimizerState:
         if self.kind == "fragments":
             piece, where = self._fragment(p, key)
             return [] if piece is None else [(int(where.start), piece)]
-        opt = p._z3_optimizer  # ZeRO 3: this rank's partition, padded at the end of the last one
+        partition, start, count = self._zero3_partition(p, key)
+        return [(start, partition.narrow(0, 0, count))] if count else []
+
+    @staticmethod
+    def _zero3_partition(p: torch.nn.Parameter, key: Optional[str]) -> tuple[torch.Tensor, int, int]:
+        """ZeRO 3: this rank's fp32 partition of `p`'s weight (key None) or moment, padded at the end of
+        the last one, with the first element it holds in the flattened `p` and how many are real."""
+        opt = p._z3_optimizer
         partition, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
         n = partition.numel()
         start = dist.get_rank(group=opt.dp_process_group) * n
-        count = max(0, min(n, p.ds_numel - start))
-        return [(start, partition.narrow(0, 0, count))] if count else []
+        return partition, start, max(0, min(n, p.ds_numel - start))
 
     def own_range(self, p: torch.nn.Parameter) -> Optional[tuple[int, int]]:
         """(first element, count) of the flattened `p` whose moments this DP rank holds, when that is all a
         load needs to read of them (ZeRO partitions); None when it needs the whole tensor (replicas)."""
         if self.kind == "fragments":
-            _, where = self._fragment(p, MOMENTS[0]) if p._hp_mapping is not None else (None, None)
+            _, where = self._fragment(p, MOMENTS[0])
             return (0, 0) if where is None else (int(where.start), int(where.numel))
         if self.kind == "zero3":
-            opt = p._z3_optimizer
-            n = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=None)[0].numel()
-            start = dist.get_rank(group=opt.dp_process_group) * n
-            return start, max(0, min(n, p.ds_numel - start))
+            _, start, count = self._zero3_partition(p, None)
+            return start, count
         return None
 
     def set_moment_range(self, p: torch.nn.Parameter, key: str, start: int, values: Optional[torch.Tensor]) -> None:
@@ -178,8 +182,7 @@ class OptimizerState:
             if piece is not None:
                 piece.copy_(values) if values is not None else piece.zero_()
             return
-        opt = p._z3_optimizer
-        partition, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
+        partition, _, _ = self._zero3_partition(p, key)
         partition.data.zero_()
         if values is not None:
             partition.data[: values.numel()].copy_(values.to(partition.dtype))
@@ -210,11 +213,8 @@ class OptimizerState:
 
     def _set_zero3_partition(self, p, key, value) -> None:
         # The partition of a parameter whose size is not a multiple of the DP size is padded at the end.
-        opt = p._z3_optimizer
-        partition, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
-        n = partition.numel()
-        rank = dist.get_rank(group=opt.dp_process_group)
-        piece = value.reshape(-1).to(partition.dtype)[rank * n : (rank + 1) * n]
+        partition, start, _ = self._zero3_partition(p, key)
+        piece = value.reshape(-1).to(partition.dtype)[start : start + partition.numel()]
         partition.data.zero_()
         partition.data[: piece.numel()].copy_(piece)
 

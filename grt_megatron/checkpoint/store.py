@@ -230,15 +230,25 @@ def verify_files(path: Path, files: dict[str, dict[str, Any]], names: Optional[I
     return None
 
 
-def verification_shares(files: dict[str, dict[str, Any]], ranks: int) -> list[list[str]]:
-    """The manifest's files split over `ranks` verifiers by bytes (largest first to the least loaded), the
-    same on every rank: hashing a large checkpoint is spread instead of done by one rank alone."""
-    shares: list[list[str]] = [[] for _ in range(ranks)]
+def balanced_owners(sizes: dict[str, int], ranks: int) -> dict[str, int]:
+    """Which of `ranks` takes each named item: largest first to the least-loaded rank (ties to the lowest
+    rank, then by name), the same on every rank."""
     load = [0] * ranks
-    for name in sorted(files, key=lambda n: (-int(files[n].get("bytes", 0)), n)):
+    owners = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
         rank = min(range(ranks), key=lambda r: (load[r], r))
-        shares[rank].append(name)
-        load[rank] += int(files[name].get("bytes", 0))
+        owners[name] = rank
+        load[rank] += sizes[name]
+    return owners
+
+
+def verification_shares(files: dict[str, dict[str, Any]], ranks: int) -> list[list[str]]:
+    """The manifest's files split over `ranks` verifiers by bytes (`balanced_owners`), the same on every
+    rank: hashing a large checkpoint is spread instead of done by one rank alone."""
+    owners = balanced_owners({name: int(entry.get("bytes", 0)) for name, entry in files.items()}, ranks)
+    shares: list[list[str]] = [[] for _ in range(ranks)]
+    for name in sorted(files, key=lambda n: (-int(files[n].get("bytes", 0)), n)):
+        shares[owners[name]].append(name)
     return shares
 
 
