@@ -17,7 +17,7 @@ from megatron.core.transformer import TransformerConfig
 
 from grt_megatron.errors import ConfigError
 from grt_megatron.model.kernels import FUSION_FIELDS, KERNEL_FIELDS, LAYER_SPECS, resolve_kernels
-from grt_megatron.parallel.layout import check_mor_layout
+from grt_megatron.parallel.layout import check_replica_layout
 
 INJECTIONS = ("concat_project", "add", "none")
 GATES = ("mlp", "none", "residual", "fixed")
@@ -95,6 +95,21 @@ class GRTConfig(TransformerConfig):
     training rule, whose per-sequence top-k compares a token's score with later tokens' scores, so its loss
     is not that of a causal language model."""
 
+    exit_head: bool = False
+    """Ouro-style looped LM (`ouro.py`): every recurrence step's state goes through the coda, the final norm
+    and the LM head, and a learned exit head (`Linear(d, 1)` on the normed state, lambda_t = sigmoid) gives
+    the exit distribution p_t = lambda_t * prod_{j<t}(1 - lambda_j), the last step taking the remainder.
+    Training minimises sum_t p_t CE_t - beta H(p); evaluation reports the last step (`loss`) and the exit
+    rule. Requires gate/injection none, no noise, a fixed depth, one process per model replica."""
+    exit_entropy_coeff: float = 0.05
+    """beta of the Ouro loss: the weight of the exit distribution's entropy (0.05 is Ouro's stage-I value)."""
+    exit_threshold: float = 0.5
+    """Ouro's exit rule: a token leaves at the first step where the cumulative exit probability reaches it."""
+    lora_rank: int = 0
+    """Relaxed Recursive Transformer (`relaxed.py`): > 0 adds a rank-`lora_rank` delta B_r A_r per recursion
+    to every linear of the core layers, so recursion r runs W + B_r A_r (B_r = 0 at init). Recursions past
+    the trained R reuse the last delta. 0: the plain shared core."""
+
     checkpoint_recurrence: bool = False
     """Recompute each recurrence step in backward so activation memory does not grow with R."""
 
@@ -151,6 +166,14 @@ class GRTConfig(TransformerConfig):
             )
         if self.routing != "none":
             self._check_mor()
+        if self.exit_head:
+            self._check_ouro()
+        if self.lora_rank < 0:
+            raise ConfigError(f"model.lora_rank must be >= 0, got {self.lora_rank}")
+        if self.lora_rank and self.routing != "none":
+            raise ConfigError("model.lora_rank > 0 (RRT) cannot be combined with model.routing (MoR): "
+                              "choose one depth-reuse baseline")
+        check_replica_layout(self, tp=self.tensor_model_parallel_size, sp=self.sequence_parallel, pp=1)
         # megatron-core's TransformerConfig counts unique layers; the executed depth is in `depth()`.
         self.num_layers = self.prelude_layers + self.core_layers + self.coda_layers
         super().__post_init__()
@@ -162,9 +185,20 @@ class GRTConfig(TransformerConfig):
             if getattr(self, name) != value:
                 raise ConfigError(f"model.routing={self.routing!r} (MoR) needs model.{name}={value!r}, got "
                                   f"{getattr(self, name)!r}: its routers replace the gate and decide the depth")
-        check_mor_layout(self.routing, tp=self.tensor_model_parallel_size, sp=self.sequence_parallel, pp=1)
         if self.router_aux_loss_coeff < 0:
             raise ConfigError(f"model.router_aux_loss_coeff must be >= 0, got {self.router_aux_loss_coeff}")
+
+    def _check_ouro(self) -> None:
+        required = {"gate": "none", "injection": "none", "depth_sampler": "fixed", "noise_sigma": 0.0,
+                    "routing": "none"}
+        for name, value in required.items():
+            if getattr(self, name) != value:
+                raise ConfigError(f"model.exit_head=true (Ouro) needs model.{name}={value!r}, got "
+                                  f"{getattr(self, name)!r}: a looped LM feeds each step's output to the next")
+        if not (math.isfinite(self.exit_entropy_coeff) and self.exit_entropy_coeff >= 0):
+            raise ConfigError(f"model.exit_entropy_coeff must be a finite number >= 0, got {self.exit_entropy_coeff}")
+        if not 0 < self.exit_threshold <= 1:
+            raise ConfigError(f"model.exit_threshold must be in (0, 1], got {self.exit_threshold}")
 
     # ---- derived quantities -------------------------------------------------------------------
     @property

@@ -4,12 +4,15 @@ Forward FLOPs per token (PAPER_NOTES): (P + K·R + C)·(24d² + 4Sd) + 10·R·d�
 generalised here to any FFN width, to the variants without gate/projection, and with the output layer
 (2·d·V) reported as its own term. Training counts 3× forward for steps with gradient and 1× for the
 heavy-tail sampler's no-grad steps; recomputation from activation checkpointing is not model FLOPs.
+RRT's deltas count 2·rank·(in + out) per relaxed linear per step. Ouro runs the coda, the LM head and the
+exit head at every step in training: its forward counts them R times (evaluation at a fixed R runs them once).
 """
 
 from __future__ import annotations
 
 from grt_megatron.model.config import GRTConfig, mor_capacity
 from grt_megatron.model.depth_sampler import DepthDraw
+from grt_megatron.model.relaxed import lora_parameters_per_layer
 
 
 def _layer_flops(cfg: GRTConfig, seq_len: int) -> int:
@@ -26,6 +29,8 @@ def _recurrence_extra_flops(cfg: GRTConfig) -> int:
         flops += 2 * (2 * d * d)
     if cfg.gate == "mlp":
         flops += 2 * (2 * d * d + d * d)
+    if cfg.lora_rank:
+        flops += 2 * cfg.core_layers * lora_parameters_per_layer(d, cfg.ffn_hidden_size, cfg.lora_rank)
     return flops
 
 
@@ -49,6 +54,10 @@ def forward_flops_per_token(cfg: GRTConfig, seq_len: int, recurrences: int | Non
         "recurrence": r * _recurrence_extra_flops(cfg),
         "output_layer": 2 * cfg.hidden_size * cfg.padded_vocab_size,
     }
+    if cfg.exit_head:  # Ouro: coda, final norm, LM head and exit head at every step
+        parts["layers"] = (cfg.prelude_layers + r * (cfg.core_layers + cfg.coda_layers)) * _layer_flops(cfg, seq_len)
+        parts["output_layer"] *= r
+        parts["recurrence"] += r * 2 * cfg.hidden_size
     if cfg.routing != "none":  # MoR: tokens leave early, so the core runs on fewer tokens each recursion
         core, routers = _mor_flops(cfg, seq_len, r)
         parts["layers"] = (cfg.prelude_layers + cfg.coda_layers) * _layer_flops(cfg, seq_len) + round(core)
@@ -81,6 +90,8 @@ def count_parameters(cfg: GRTConfig) -> dict[str, int]:
         "injection": 2 * d * d if cfg.injection == "concat_project" else 0,
         "gate": (2 * norm + 2 * d * d + d + d * d + d) if cfg.gate == "mlp" else 0,
         "routers": cfg.recurrences * d if cfg.routing != "none" else 0,
+        "lora": cfg.recurrences * cfg.core_layers * lora_parameters_per_layer(d, f, cfg.lora_rank),
+        "exit_head": d + 1 if cfg.exit_head else 0,
         "final_norm": norm,
         "output_layer": 0 if cfg.tie_embeddings else v * d,
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.utils.checkpoint
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -18,6 +19,7 @@ from megatron.core.transformer.spec_utils import build_module
 from grt_megatron.model.config import GRTConfig
 from grt_megatron.model.init import piece_rng
 from grt_megatron.model.loss import chunked_vocab_parallel_cross_entropy
+from grt_megatron.model.ouro import EXIT_RULES, build_exit_head, exit_log_probs, exit_steps, looped_loss
 from grt_megatron.model.specs import get_grt_block_spec, get_norm_spec
 
 
@@ -88,6 +90,13 @@ class GRTLanguageModel(MegatronModule):
         self.output_layer = None
         if "output_layer" in parts:
             self.output_layer = build_output_layer(config, init_seed, tied=config.tie_embeddings)
+        self.exit_head = None
+        if config.exit_head and "final_norm" in parts:
+            self.exit_head = build_exit_head(config, init_seed)
+        self.exit_rule = "last"
+        """Ouro outside training: score each token at the last step (`last`) or at its exit step (`threshold`)."""
+        self.exit_stats = None
+        """Ouro: an `ouro.ExitStats` that threshold-rule evaluations add to (`ouro.recording_exit_stats`)."""
         if config.params_dtype != torch.float32:
             # megatron builds norms and position embeddings in fp32 whatever params_dtype says; cast the
             # whole model, as DeepSpeed's bf16 mode would, so that a bf16 model also runs on its own.
@@ -123,6 +132,8 @@ class GRTLanguageModel(MegatronModule):
         hidden = self.embed(tokens)
         rope = self.rotary_pos_emb(s) if self.rotary_pos_emb is not None else None
         mask = causal_attention_mask(s, tokens.device)
+        if self.exit_head is not None:
+            return self.looped_forward(hidden, mask, rope, labels, recurrences, noise_seeds)
         hidden = self.block(hidden, mask, rope, recurrences=recurrences, grad_recurrences=grad_recurrences,
                             noise_seeds=noise_seeds)
         logits = self.logits(self.final_norm(hidden))
@@ -133,5 +144,50 @@ class GRTLanguageModel(MegatronModule):
                 # MoR's router loss, spread over the tokens so that the mean loss carries it once.
                 loss = loss + self.config.router_aux_loss_coeff * aux
             return loss
+        return self._gathered(logits)
+
+    def looped_forward(self, hidden, mask, rope, labels, recurrences, noise_seeds) -> torch.Tensor:
+        """Ouro (ouro.py): the loss or logits of every step's state, weighted or chosen by the exit head.
+
+        Each step's logits exist one at a time: its cross-entropy is computed under activation
+        checkpointing (only the normed state is kept; the logits are recomputed in backward), so R steps
+        never hold R × [b, s, V] logits. Evaluation at the last step skips the other steps' heads."""
+        if self.exit_rule not in EXIT_RULES:
+            raise ValueError(f"exit_rule={self.exit_rule!r} is not one of {', '.join(EXIT_RULES)}")
+        every_step = self.training or self.exit_rule == "threshold"
+        exit_logits, per_step, normed = [], [], None
+        for out in self.block.step_outputs(hidden, mask, rope, recurrences=recurrences, noise_seeds=noise_seeds):
+            normed = self.final_norm(out)
+            if not every_step:
+                continue
+            exit_logits.append(self.exit_head(normed).squeeze(-1).float().transpose(0, 1))  # [b, s]
+            if labels is None:
+                per_step.append(self.logits(normed))
+            elif torch.is_grad_enabled():
+                per_step.append(torch.utils.checkpoint.checkpoint(
+                    self._step_loss, normed, labels, use_reentrant=False))
+            else:
+                per_step.append(self._step_loss(normed, labels))
+        if not every_step:  # a fixed R: the last step, as every other model is scored
+            return self._step_loss(normed, labels) if labels is not None else self._gathered(self.logits(normed))
+        log_p = exit_log_probs(torch.stack(exit_logits))  # [R, b, s]
+        if self.training:
+            if labels is None:
+                raise ValueError("an Ouro model trains with labels (its loss weights every step's)")
+            return looped_loss(torch.stack(per_step), log_p, self.config.exit_entropy_coeff)
+        steps = exit_steps(log_p, self.config.exit_threshold)  # [b, s]
+        if self.exit_stats is not None:
+            self.exit_stats.add(log_p, steps)
+        if labels is not None:
+            return torch.stack(per_step).gather(0, steps[None]).squeeze(0)
+        logits = torch.stack(per_step)  # [R, s, b, V/TP]
+        index = steps.transpose(0, 1)[None, :, :, None].expand(1, *logits.shape[1:])
+        return self._gathered(logits.gather(0, index).squeeze(0))
+
+    def _step_loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_loss(self.logits(normed), labels)
+
+    def _gathered(self, logits: torch.Tensor) -> torch.Tensor:
+        """[s, b, V/TP] -> [b, s, vocab]: TP-gathered, padding cut."""
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         return logits[..., : self.config.vocab_size].transpose(0, 1).contiguous()

@@ -25,8 +25,9 @@ between the two unchanged.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from grt_megatron.model.layers import StepInputs, build_layer_stack, run_layers
 from grt_megatron.model.mor import build_routers, run_mor
 from grt_megatron.model.noise import NOISE_GATE, NOISE_STATE, random_initial_state, recurrence_noise
 from grt_megatron.model.recompute import checkpoint_step
+from grt_megatron.model.relaxed import RecursionAdapters
 
 
 @dataclass
@@ -98,6 +100,8 @@ class GatedRecurrentBlock(MegatronModule):
             with torch.no_grad():
                 self.gate_fc2.bias.fill_(config.gate_bias_init)
         self.routers = build_routers(config, init_seed) if config.routing == "expert_choice" and owns_core else None
+        self.lora = RecursionAdapters(config, self.core, init_seed) if config.lora_rank > 0 and owns_core else None
+        """RRT: a low-rank delta per recursion on the core's linears (relaxed.py)."""
         # gate "fixed": 1 − g = sigmoid(−b/τ) and g, computed once in fp32 (exact as Python floats) rather
         # than as a new device tensor at every step.
         rate = torch.sigmoid(torch.tensor(-config.gate_bias_init / config.gate_temperature, device="cpu"))
@@ -155,8 +159,9 @@ class GatedRecurrentBlock(MegatronModule):
         eps_g = recurrence_noise(cfg, self.training, h, inputs.noise_seeds, step, NOISE_GATE) \
             if cfg.gate == "mlp" else None
         add_prelude = cfg.injection == "add" and not (step == 0 and cfg.initial_state == "prelude")
-        h_new, g = self.step_math(h, h_pre, eps_x, eps_g, inputs.attention_mask, inputs.rotary_pos_emb,
-                                  add_prelude)
+        with self.lora.at(step) if self.lora is not None else nullcontext():
+            h_new, g = self.step_math(h, h_pre, eps_x, eps_g, inputs.attention_mask, inputs.rotary_pos_emb,
+                                      add_prelude)
         self.call_step_hooks(h, h_new, g)
         return h_new
 
@@ -189,12 +194,9 @@ class GatedRecurrentBlock(MegatronModule):
         rate = torch.sigmoid(-(a if eps_g is None else a + eps_g))
         return h + rate * (o - h), 1 - rate
 
-    def run_core(self, h_pre, inputs: StepInputs, recurrences: int, grad_recurrences: int):
-        """R steps of the recurrence; the first `recurrences - grad_recurrences` run without gradient
-        (truncated backprop of the heavy-tail sampler). The state is carried in fp32 from step to step
-        and handed to the coda in the model's dtype."""
-        if self.routers is not None:
-            return run_mor(self, h_pre, inputs, recurrences)
+    def core_states(self, h_pre, inputs: StepInputs, recurrences: int, grad_recurrences: int) -> Iterator[torch.Tensor]:
+        """h_1 … h_R, one per step as it is computed (fp32); the first `recurrences - grad_recurrences` steps
+        run without gradient (truncated backprop of the heavy-tail sampler)."""
         if self.config.initial_state == "prelude":
             # A copy even when h_pre is fp32 already: a compiled step would otherwise specialise (and
             # recompile) on its two inputs being one tensor at step 0.
@@ -211,7 +213,30 @@ class GatedRecurrentBlock(MegatronModule):
                 h = checkpoint_step(self.recurrence_step, h, h_pre, inputs, r)
             else:
                 h = self.recurrence_step(h, h_pre, inputs, r)
+            yield h
+
+    def run_core(self, h_pre, inputs: StepInputs, recurrences: int, grad_recurrences: int):
+        """R steps of the recurrence. The state is carried in fp32 from step to step and handed to the coda
+        in the model's dtype."""
+        if self.routers is not None:
+            return run_mor(self, h_pre, inputs, recurrences)
+        if recurrences < 1:
+            raise ValueError(f"recurrences must be >= 1, got {recurrences}")
+        for h in self.core_states(h_pre, inputs, recurrences, grad_recurrences):
+            pass
         return h.to(h_pre.dtype)
+
+    def step_outputs(self, hidden_states, attention_mask, rotary_pos_emb=None, recurrences=None,
+                     noise_seeds=None) -> Iterator[torch.Tensor]:
+        """Ouro (`exit_head`): Coda(h_r) for r = 1 … R, [s, b, d] in the model's dtype, one per step as it is
+        computed, so that the caller can turn each into a loss before the next exists."""
+        recurrences = self.config.recurrences if recurrences is None else recurrences
+        if recurrences < 1:
+            raise ValueError(f"recurrences must be >= 1, got {recurrences}")
+        inputs = StepInputs(attention_mask, rotary_pos_emb, noise_seeds)
+        h_pre = run_layers(self.prelude, hidden_states, inputs)
+        for h in self.core_states(h_pre, inputs, recurrences, recurrences):
+            yield run_layers(self.coda, h.to(h_pre.dtype), inputs)
 
     def forward(self, hidden_states, attention_mask, rotary_pos_emb=None, recurrences=None,
                 grad_recurrences=None, noise_seeds=None):

@@ -53,6 +53,20 @@ def check_pipeline_stages(stages: int, units: int) -> None:
                           "(embedding, prelude layers, the core, coda layers, final norm, head)")
 
 
+def check_replica_layout(model, *, tp: int, sp: bool, pp: int) -> None:
+    """The depth-reuse baselines whose extra pieces are plain modules (MoR's routers, Ouro's exit head, RRT's
+    per-recursion deltas) run with data parallelism only. `model` is a recipe mapping or a `GRTConfig`."""
+    get = model.get if isinstance(model, Mapping) else (lambda name, default=None: getattr(model, name, default))
+    check_mor_layout(get("routing", "none"), tp=tp, sp=sp, pp=pp)
+    for field, active, name in (("exit_head", bool(get("exit_head", False)), "Ouro's exit head"),
+                                ("lora_rank", int(get("lora_rank", 0) or 0) > 0, "RRT's per-recursion LoRA")):
+        if active and (tp > 1 or sp or pp > 1):
+            value = "true" if field == "exit_head" else get(field)
+            raise ConfigError(f"model.{field}={value} ({name}) is not supported with tensor, sequence or pipeline "
+                              f"parallelism (parallel.tp={tp}, pp={pp}): its modules are not split; use data "
+                              "parallelism (ZeRO shards it)")
+
+
 def check_mor_layout(routing: str, *, tp: int, sp: bool, pp: int) -> None:
     """MoR's routers are plain linears and its top-k is per sequence: it runs on data parallelism only."""
     if routing == "none":
@@ -88,7 +102,7 @@ def validate_layout(*, world_size: int, tp: int, pp: int, sp: bool, zero_stage: 
     if zero_stage == 3 and (tp > 1 or pp > 1):
         raise ConfigError("deepspeed.zero_stage=3 needs parallel.tp=1 and parallel.pp=1 "
                           "(ZeRO 3 partitions parameters itself); use ZeRO 1 or 2 with tensor parallelism")
-    check_mor_layout(model.get("routing", "none"), tp=tp, sp=sp, pp=pp)
+    check_replica_layout(model, tp=tp, sp=sp, pp=pp)
     if pp > 1:
         p, k, c = (int(model.get(f"{name}_layers", 1)) for name in ("prelude", "core", "coda"))
         dense = model.get("recurrences", 1) == 1 and model.get("gate") == "none" and model.get("injection") == "none"

@@ -4,9 +4,12 @@ routing rule, and the depth sweep at the end. Each writes its records to metrics
 from __future__ import annotations
 
 import numpy as np
+import torch.distributed as dist
+from megatron.core import parallel_state
 from tqdm import tqdm
 
 from grt_megatron.model import GRTConfig, forward_flops_per_token
+from grt_megatron.model.ouro import ExitStats, recording_exit_stats
 from grt_megatron.training.metrics import MetricsLogger
 from grt_megatron.training.step_runner import StepRunner
 
@@ -25,7 +28,7 @@ class Evaluator:
         gates = {f"{key}_r{r + 1}": value for r, step_stats in enumerate(stats)
                  for key, value in step_stats.items() if value == value}  # NaN: no gate in this model
         self.logger.log({"step": step, "split": "valid", "loss": loss, "perplexity": float(np.exp(min(loss, 50.0))),
-                         "recurrences": self.model_config.recurrences, **gates, **self.other_mor_routing()})
+                         "recurrences": self.model_config.recurrences, **gates, **self.other_mor_routing(), **self.exit_rule()})
         return loss
 
     def other_mor_routing(self) -> dict[str, float]:
@@ -41,6 +44,20 @@ class Evaluator:
             return {f"loss_{other}_routing": self.runner.validation_loss(self.valid_rows)[0]}
         finally:
             block.mor_eval_routing = self.model_config.mor_eval_routing
+
+    def exit_rule(self) -> dict[str, float]:
+        """Ouro: the validation loss under the exit rule (`loss_exit_rule`: each token scored at the first
+        step where its cumulative exit probability reaches `exit_threshold`; `loss` is the last step) and
+        the exit statistics over all validation tokens (`ouro.ExitStats.metrics`). Empty for other models."""
+        if not self.model_config.exit_head:
+            return {}
+        info = self.runner.info
+        with recording_exit_stats(self.runner.engine.module, info.device) as stats:
+            loss = self.runner.validation_loss(self.valid_rows)[0]
+        summed = stats.as_tensor()
+        if info.dp_size > 1:
+            dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+        return {"loss_exit_rule": loss, **ExitStats.metrics(summed, self.model_config.recurrences)}
 
     def depth_sweep(self, step: int, extra: int, is_main: bool) -> None:
         """Validation loss at R = 1 … R + `extra`: how the model behaves when run with fewer or more
