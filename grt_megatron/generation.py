@@ -66,6 +66,15 @@ def _from_checkpoint(args) -> str:
     try:
         model = GRTLanguageModel(GRTConfig.from_recipe(state["model"]))
         model.load_state_dict(tensors, strict=True)
+        if args.exit_threshold is not None:
+            if not 0 < args.exit_threshold <= 1:
+                raise ValueError(f"--exit-threshold {args.exit_threshold}: must be in (0, 1]")
+            if not model.config.exit_head:
+                raise ValueError("--exit-threshold with --checkpoint needs an Ouro model (model.exit_head=true); "
+                                 "a GRT's adaptive exit runs from its export (--hf)")
+            # Ouro's exit rule: each token's logits come from the first step whose cumulative exit
+            # probability reaches the threshold (every step still runs: nothing is cached here).
+            model.config.exit_threshold, model.exit_rule = args.exit_threshold, "threshold"
         tokenizer = load_tokenizer(path / ("tokenizer.model" if (path / "tokenizer.model").is_file() else "tokenizer"))
         return sample_text(model, tokenizer, args.prompt, args.max_new_tokens, seed=args.seed,
                            temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
@@ -104,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=40)
     parser.add_argument("--num-recurrences", type=int, default=None, help="R at inference (default: trained R)")
     parser.add_argument("--kv-cache", choices=("per_recurrence", "average"), default=None, help="--hf only")
-    parser.add_argument("--exit-threshold", type=float, default=None, help="--hf only: adaptive exit")
+    parser.add_argument("--exit-threshold", type=float, default=None,
+                        help="adaptive exit: --hf, a GRT's; --checkpoint, an Ouro model's exit rule")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     quiet_known_warnings()

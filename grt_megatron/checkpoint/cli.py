@@ -4,6 +4,8 @@
     grt-ckpt show CHECKPOINT                  one checkpoint in detail (verifies every file's sha256)
     grt-ckpt keep CHECKPOINT                  never prune it
     grt-ckpt consolidate CHECKPOINT --output model.safetensors [--optimizer]
+    grt-ckpt relax DENSE_CHECKPOINT --shape 1+1x4+1 --lora-rank 8 --output runs/rrt/checkpoints/step_00000000
+                                              an RRT initialised from a dense model (grt-train resume= it)
 """
 
 from __future__ import annotations
@@ -97,6 +99,15 @@ def cmd_consolidate(args) -> int:
     return 0
 
 
+def cmd_relax(args) -> int:
+    from grt_megatron.checkpoint.consolidate import relax_checkpoint
+
+    path = relax_checkpoint(Path(args.checkpoint), Path(args.output), args.shape, args.lora_rank)
+    print(f"wrote {path}: RRT {args.shape}, LoRA rank {args.lora_rank}, from {args.checkpoint}; train it with "
+          f"grt-train ... resume={path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grt-ckpt", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True)
     p.add_argument("--optimizer", action="store_true", help="include the Adam moments")
     p.set_defaults(run=cmd_consolidate)
+    p = sub.add_parser("relax", help="initialise a Relaxed Recursive Transformer from a dense checkpoint")
+    p.add_argument("checkpoint", help="a dense model's checkpoint (or run directory: its newest)")
+    p.add_argument("--shape", required=True, help="the RRT's P+KxR+C; P + K·R + C = the dense model's layers")
+    p.add_argument("--lora-rank", type=int, required=True, help="rank of each recursion's delta")
+    p.add_argument("--output", required=True, help="the new checkpoint, .../checkpoints/step_00000000")
+    p.set_defaults(run=cmd_relax)
     return parser
 
 

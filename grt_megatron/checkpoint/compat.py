@@ -22,7 +22,7 @@ REFUSED = {
 IGNORED = ("resume", "run.dir")
 # Model fields that change memory, speed or evaluation, not the training math (the kernel choices compute the
 # same function within rounding, with the same parameter names: model/kernels.py).
-MODEL_ALLOWED = ("checkpoint_recurrence", "mor_eval_routing", *KERNEL_FIELDS)
+MODEL_ALLOWED = ("checkpoint_recurrence", "mor_eval_routing", "exit_threshold", *KERNEL_FIELDS)
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -126,6 +126,12 @@ def hf_config_kwargs(model: dict) -> dict:
     if model.get("routing", "none") != "none":
         raise CheckpointError(f"model.routing={model['routing']!r} (Mixture-of-Recursions) is not supported by the "
                               "Hugging Face export: modeling_grt.py has no routers")
+    if model.get("exit_head", False):
+        raise CheckpointError("model.exit_head=true (Ouro) is not supported by the Hugging Face export: "
+                              "modeling_grt.py has no exit head; evaluate and generate with grt-eval / grt-generate")
+    if model.get("lora_rank", 0):
+        raise CheckpointError(f"model.lora_rank={model['lora_rank']} (RRT) is not supported by the Hugging Face "
+                              "export: modeling_grt.py runs one set of core weights at every recursion")
     if model["gate"] not in ("mlp", "none"):
         raise CheckpointError(f"model.gate={model['gate']!r} (an ablation) is not supported by the Hugging Face "
                               "export; export models with gate mlp or none")
@@ -249,11 +255,9 @@ def export_checkpoint(checkpoint: Path, output: Path, dtype: str = "fp32", max_s
 def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
     """An exported folder -> a training checkpoint (step 0, no optimizer state) that `grt-train resume=`
     fine-tunes from in any layout."""
-    from safetensors.torch import save as save_tensors
     from transformers import AutoConfig
 
-    from grt_megatron import __version__
-    from grt_megatron.checkpoint.store import TRAINER_STATE, PendingSave, write_file
+    from grt_megatron.checkpoint.consolidate import write_weights_checkpoint
     from grt_megatron.model import GRTConfig
 
     hf_dir, output = Path(hf_dir), Path(output)
@@ -269,26 +273,8 @@ def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
     tokenizer = _read_tokenizer(hf_dir)  # before the weights: a folder without one fails at once
     hf_state = _read_hf_weights(hf_dir)
     plain = from_hf_state(hf_state, model, padded)
-    if not output.name.startswith("step_"):
-        raise CheckpointError(f"--output {output}: name a checkpoint directory step_NNNNNNNN (e.g. step_00000000)")
-    pending = PendingSave(output.parent, int(output.name[5:]))
-    pending.prepare()
-    tensors = {f"param/{k}": v.float().contiguous() for k, v in tqdm(sorted(plain.items()), desc="import",
-                                                                      unit="tensor", disable=not progress)}
-    files = {"model-tp00-pp00.safetensors": write_file(
-        pending.tmp / "model-tp00-pp00.safetensors",
-        save_tensors(tensors, metadata={"tp_rank": "0", "pp_rank": "0", "partition_dims": json.dumps({})}))}
-    files.update(pending.add_tokenizer(tokenizer))
-    state = {"version": __version__, "step": int(output.name[5:]), "consumed_samples": 0, "tokens": 0,
-             "train_samples": None, "seq_length": model["max_sequence_length"],
-             "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "sp": False, "zero_stage": 0,
-                        "precision": "fp32"},
-             "config": None, "model": model, "model_shape": GRTConfig.from_recipe(model).shape_name,
-             "tokenizer": tokenizer.describe(), "data_prefixes": [], "reason": f"imported from {hf_dir}",
-             "saved_at": "", "optimizer_steps": 0,
-             "lr_scheduler": {"last_epoch": 0, "_step_count": 1}}
-    files[TRAINER_STATE] = write_file(pending.tmp / TRAINER_STATE, json.dumps(state, indent=2).encode())
-    return pending.commit(files, permanent=False)
+    return write_weights_checkpoint(output, plain, model, tokenizer, reason=f"imported from {hf_dir}",
+                                    progress=progress)
 
 
 def _read_tokenizer(hf_dir: Path):

@@ -43,6 +43,8 @@ class Run:
     diagnostics: dict[str, float] = field(default_factory=dict)
     """The last evaluation's `gate_mean_rN` / `relative_update_rN` (does the gate learn, does h move) and,
     for MoR, `active_fraction_rN` (the share of tokens that ran recursion N)."""
+    exit_rule: Optional[float] = None
+    """Ouro: the best validation loss under its exit rule (`loss_exit_rule`; `valid` is the last step's)."""
     other_routing: dict[str, float] = field(default_factory=dict)
     """MoR: the best validation loss under its other evaluation routing (`loss_topk_routing` or
     `loss_threshold_routing`), besides `loss` under the run's own."""
@@ -106,6 +108,7 @@ def load_run(path: Path) -> Optional[Run]:
     seq_len = (config.get("train") or {}).get("seq_length") or model.get("max_sequence_length", 1024)
     tokens_per_step = None
     train, valid, sweep, executed, diagnostics, other_routing = [], [], {}, [], {}, {}
+    exit_rule = None
     for r in records:
         split = r.get("split", "train")
         if split == "train" and "loss" in r:
@@ -118,7 +121,9 @@ def load_run(path: Path) -> Optional[Run]:
         elif split == "valid":
             valid.append((int(r["step"]), _number(r["loss"])))
             diagnostics = {k: _number(v) for k, v in r.items()
-                           if k.startswith(("gate_mean_r", "relative_update_r", "active_fraction_r"))}
+                           if k.startswith(("gate_mean_r", "relative_update_r", "active_fraction_r", "exit_"))}
+            if r.get("loss_exit_rule") is not None:
+                exit_rule = min(_number(r["loss_exit_rule"]), math.inf if exit_rule is None else exit_rule)
             for k, v in r.items():
                 if k.startswith("loss_") and k.endswith("_routing"):
                     other_routing[k] = min(_number(v), other_routing.get(k, math.inf))
@@ -137,7 +142,7 @@ def load_run(path: Path) -> Optional[Run]:
         flops_executed=statistics.fmean(executed) if executed else float("nan"),
         tokens=train[-1][0] if train else 0, steps=max(int(r["step"]) for r in records),
         valid=[(step * tokens_per_step, loss) for step, loss in valid], train=train, depth_sweep=sweep,
-        diagnostics=diagnostics, other_routing=other_routing, finished=max(int(r["step"]) for r in records) >= int(
+        diagnostics=diagnostics, other_routing=other_routing, exit_rule=exit_rule, finished=max(int(r["step"]) for r in records) >= int(
             (config.get("train") or {}).get("iters", 0)),
     )
 

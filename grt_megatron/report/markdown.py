@@ -1,4 +1,4 @@
-"""The report's markdown: the cell table, loss vs R, gate diagnostics, MoR routing, ablations."""
+"""The report's markdown: the cell table, loss vs R, gate diagnostics, MoR routing, Ouro's exits, ablations."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def markdown(rows: list[dict], command: str) -> str:
              "Validation loss per token at the trained R with noise off, over each cell's seeds (mean ± sample "
              "std); best = lowest over the run's evaluations. FLOPs per token are training FLOPs (3 × forward; "
              "nominal at the configured R, executed = mean over the steps of the R each step ran).", "",
+             "Parameters and FLOPs count every baseline's own pieces: RRT's per-recursion LoRA deltas, "
+             "Ouro's exit head and, in its training FLOPs, the coda, LM head and exit head run at every step.", "",
              "Δ vs dense is the best validation loss minus the dense cell's of the same scale and budget, seed by "
              "seed (same data order and validation windows), mean ± std over the paired seeds.", "",
              "| cell | comparison | shape | params | FLOPs/token nominal | FLOPs/token executed | tokens | seeds "
@@ -96,6 +98,7 @@ def markdown(rows: list[dict], command: str) -> str:
                       if f"active_fraction_r{k}" in r["diagnostics"] else "" for k in range(1, depth + 1)]
             lines.append(f"| {r['cell']} | {fmt_mean_std(r['best_valid_mean'], r['best_valid_std'])} | "
                          + " | ".join(others + active) + " |")
+    lines += _exit_table(rows)
     vs_grt = [r for r in rows if r["delta_vs_grt_seeds"]]
     if vs_grt:
         lines += ["", "## Ablations and baselines vs the GRT", "",
@@ -114,3 +117,27 @@ def markdown(rows: list[dict], command: str) -> str:
     if swept:
         lines += ["![loss vs R at inference](loss_vs_r.png)", ""]
     return "\n".join(lines)
+
+
+def _exit_table(rows: list[dict]) -> list[str]:
+    """Ouro: the loss at the last step against the exit rule, and where tokens exit."""
+    looped = [r for r in rows if r.get("exit_rule")]
+    if not looped:
+        return []
+    depth = max(r["recurrences"] for r in looped)
+    lines = ["", "## Ouro: exit rule at evaluation", "",
+             "The looped LM is reported at its last step (the tables above, a fixed R like every other model) and "
+             "with its exit rule: each token scored at the first step where its cumulative exit probability reaches "
+             "`model.exit_threshold`. Best validation loss under each (mean ± std over seeds); at the last "
+             "evaluation, the mean exit step and, per step, the share of tokens exiting there / the mean exit "
+             "probability p_r (mean over seeds).", "",
+             "| cell | last step | exit rule | mean exit step | " + " | ".join(f"r={k}" for k in range(1, depth + 1))
+             + " |", "|---|---:|---:|---:|" + "---:|" * depth]
+    for r in looped:
+        d = r["diagnostics"]
+        per_step = [f"{d[f'exit_fraction_r{k}']:.2f} / {d[f'exit_probability_r{k}']:.2f}"
+                    if f"exit_fraction_r{k}" in d and f"exit_probability_r{k}" in d else "" for k in range(1, depth + 1)]
+        mean_step = f"{d['exit_mean_step']:.2f}" if "exit_mean_step" in d else ""
+        lines.append(f"| {cell_label(r)} | {fmt_mean_std(r['best_valid_mean'], r['best_valid_std'])} | "
+                     f"{fmt_mean_std(*r['exit_rule'])} | {mean_step} | " + " | ".join(per_step) + " |")
+    return lines

@@ -37,6 +37,8 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                             for k in sorted(set.intersection(*(set(r.diagnostics) for r in group)))},
             "other_routing": {k: _mean_std([r.other_routing[k] for r in group])
                               for k in sorted(set.intersection(*(set(r.other_routing) for r in group)))},
+            "exit_rule": (_mean_std([r.exit_rule for r in group])
+                          if all(r.exit_rule is not None for r in group) else None),
             "runs": [str(r.path) for r in group],
         })
     _paired_with_dense(rows, cells)
