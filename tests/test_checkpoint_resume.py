@@ -28,7 +28,9 @@ def _torchrun(procs):
 
 def _args(prefix, iters=4, dropout=0.1, interval=2, extra=()):
     # Dropout on: a resumed run repeats its masks only if every rank's RNG states come back.
-    return ["model=tiny", f"data={prefix}", f"train.iters={iters}", "train.global_batch_size=8",
+    model = next((a for a in extra if a.startswith("model=")), "model=tiny")  # a layout may pick another model
+    extra = [a for a in extra if a != model]
+    return [model, f"data={prefix}", f"train.iters={iters}", "train.global_batch_size=8",
             "train.micro_batch_size=2", "train.eval_iters=1", f"train.eval_interval={iters}",
             f"checkpoint.interval={interval}", f"model.hidden_dropout={dropout}", f"model.attention_dropout={dropout}",
             *QUIET, *extra]
@@ -50,6 +52,9 @@ LAYOUTS = [
     # a background writer saves what a synchronous save would
     ("1p-async", 1, ["checkpoint.async_save=true"]),
     ("dp2-zero3-async", 2, ["deepspeed.zero_stage=3", "checkpoint.async_save=true"]),
+    # the depth-reuse baselines' own modules (exit head, per-recursion LoRA) come back too
+    ("ouro-dp2-zero1", 2, ["model=tiny_ouro", "deepspeed.zero_stage=1"]),
+    ("rrt-1p", 1, ["model=tiny_rrt"]),
 ]
 
 

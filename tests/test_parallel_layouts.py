@@ -19,7 +19,7 @@ def _common(model, prefix):
 @pytest.fixture(scope="module")
 def references(pydoc_prefix, tmp_path_factory):
     out = {}
-    for model in ("tiny", "tiny_dense"):
+    for model in ("tiny", "tiny_dense", "tiny_ouro", "tiny_rrt"):
         run_dir = tmp_path_factory.mktemp("ref") / model
         proc = run_cli([*_common(model, pydoc_prefix[0]), f"run.dir={run_dir}"])
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,6 +47,9 @@ LAYOUTS = [
     ("tiny", 2, ["deepspeed.zero_stage=1", "model.checkpoint_recurrence=true"]),
     ("tiny", 2, ["deepspeed.zero_stage=2", "model.checkpoint_recurrence=true"]),
     ("tiny", 2, ["deepspeed.zero_stage=3", "model.checkpoint_recurrence=true"]),
+    # Ouro's per-step heads and exit head, RRT's per-recursion deltas (also recomputed) under ZeRO.
+    ("tiny_ouro", 2, ["deepspeed.zero_stage=2"]),
+    ("tiny_rrt", 2, ["deepspeed.zero_stage=3", "model.checkpoint_recurrence=true"]),
 ]
 
 

@@ -16,7 +16,9 @@ diagnostics, parallelism, training) lives elsewhere.
 
 eps_x, eps_g ~ N(0, sigma²), fresh at every step, in training only (noise.py). With `injection="add"`
 x_r = h_{r-1} + eps_x + h_pre, with `injection="none"` x_r = h_{r-1} + eps_x. Mixture-of-Recursions
-(`routing="expert_choice"`) replaces the gate with routers (mor.py). The prelude, core and coda layers are
+(`routing="expert_choice"`) replaces the gate with routers (mor.py); RRT (`lora_rank`) adds a per-recursion
+delta to the core's linears (relaxed.py), selected around each step; Ouro (`exit_head`) reads every step's
+state through `step_outputs` (ouro.py). The prelude, core and coda layers are
 megatron-core `TransformerLayer`s held in one `layers` list (prelude first, then core, then coda), so a
 dense model with the same number of unique layers has the same parameter names and a checkpoint moves
 between the two unchanged.
