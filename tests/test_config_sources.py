@@ -21,7 +21,6 @@ TRAINING_ONLY = {
     "exit_head": "the Ouro baseline is refused by the export (grt-generate --exit-threshold serves it)",
     "exit_entropy_coeff": "Ouro training loss",
     "exit_threshold": "Ouro only, refused by the export",
-    "lora_rank": "the RRT baseline is refused by the export (its per-recursion deltas have no HF layout yet)",
     "checkpoint_recurrence": "activation recomputation during training",
     "make_vocab_size_divisible_by": "the export cuts the padded vocabulary to vocab_size",
     **dict.fromkeys(("layer_spec", "bias_dropout_fusion", "bias_activation_fusion", "masked_softmax_fusion",

@@ -272,3 +272,61 @@ def test_grt_ckpt_relax_writes_a_checkpoint_that_reproduces_the_dense_model(worl
                       str(tmp_path / "x/step_00000000")]) == 2  # 5 layers != 4: one line, nothing written
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
 
+
+
+def test_rrt_exports_to_hugging_face_with_its_deltas_and_imports_back(world, tmp_path):
+    """RRT's per-recursion deltas travel to the HF model as factors: logits equal the framework's at the trained
+    R and past it (the last delta reused), greedy generation with the per-recursion cache equals generation
+    without it, and the import gives back the very tensors."""
+    from transformers import AutoModelForCausalLM
+
+    from grt_megatron.checkpoint.consolidate import consolidate, write_weights_checkpoint
+    from grt_megatron.data import SentencePieceTokenizer, load_documents
+    from grt_megatron.hf.convert import export_checkpoint, import_hf
+
+    config = tiny_config(lora_rank=4, prelude_layers=1, core_layers=2, coda_layers=1, recurrences=3)
+    model = GRTLanguageModel(config, init_seed=3).eval()
+    with torch.no_grad():
+        for lora in model.block.lora.modules():
+            if hasattr(lora, "b"):
+                lora.b.normal_(0, 0.05)
+    plain = {k: v.detach().clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
+    tokenizer = SentencePieceTokenizer.train(load_documents(str(SHAKESPEARE)), vocab_size=400)
+    ckpt = write_weights_checkpoint(tmp_path / "rrt/checkpoints/step_00000000", plain, config.to_dict(), tokenizer,
+                                    reason="test", progress=False)
+    folder = export_checkpoint(ckpt, tmp_path / "hf", progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
+    assert hf.config.lora_rank == 4
+    assert hf.model.layers[1].self_attn.q_proj.recursion_b.shape == (3, 64, 4)
+    assert hf.model.layers[0].self_attn.q_proj.recursion_a is None  # the prelude is not relaxed
+    tokens = _tokens(300, seed=2)[:, :-1]
+    with torch.no_grad():
+        for r in (3, 5):
+            want = model(tokens, recurrences=r)
+            assert (hf(tokens, num_recurrences=r).logits - want).abs().max() <= 1e-4, r
+        # The deltas matter: without them the output is another.
+        for module in hf.modules():
+            if getattr(module, "recursion_b", None) is not None:
+                module.recursion_b.zero_()
+        assert (hf(tokens).logits - model(tokens)).abs().max() > 1e-3
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
+    prompt = tokens[:1, :6]
+    cached = hf.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True)
+    uncached = hf.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    # A PEFT LoRA on top wraps the relaxed linears, passes the recursion through and trains only its adapters.
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(hf, LoraConfig(r=2, target_modules=["q_proj", "fc2"]))
+    assert {n for n, p in peft.named_parameters() if p.requires_grad} == {
+        n for n, _ in peft.named_parameters() if ".lora_A." in n or ".lora_B." in n} != set()
+    peft(tokens, labels=tokens).loss.backward()
+    with torch.no_grad():
+        assert (peft(tokens).logits - model(tokens)).abs().max() <= 1e-4  # PEFT's B starts at zero
+
+    back = import_hf(folder, tmp_path / "back/checkpoints/step_00000000", progress=False)
+    tensors, _ = consolidate(back, progress=False)
+    for name in ("block.lora.layers.1.linear_qkv.a", "block.lora.layers.1.linear_qkv.b",
+                 "block.lora.layers.0.linear_fc2.b", "block.layers.1.self_attention.linear_qkv.weight"):
+        assert torch.equal(tensors[name], plain[name]), name
+    assert {k for k in tensors if ".lora." in k} == {k for k in plain if ".lora." in k}

@@ -40,6 +40,7 @@ class GRTConfig(PretrainedConfig):
         noise_sigma=0.0,
         kv_cache="per_recurrence",
         exit_threshold=None,
+        lora_rank=0,
         init_method_std=0.02,
         tie_word_embeddings=True,
         use_cache=True,
@@ -76,6 +77,8 @@ class GRTConfig(PretrainedConfig):
         layer holding the mean over recurrences (R× smaller for the core, approximate)."""
         self.exit_threshold = exit_threshold
         """Adaptive exit: a token stops recurring once ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ falls below this."""
+        self.lora_rank = lora_rank
+        """Relaxed Recursive Transformer: > 0 gives every core linear a rank-`lora_rank` delta per recursion."""
         self.init_method_std = init_method_std
         self.use_cache = use_cache
         self.num_hidden_layers = prelude_layers + core_layers + coda_layers

@@ -67,12 +67,52 @@ def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> 
     return torch.stack(parts, dim=1).reshape(-1, *q.shape[1:]).contiguous()
 
 
+# RRT: the deltas of core layer k's linear (`block.lora.layers.k.<linear>.a/.b`, model/relaxed.py) live on
+# HF layer P + k's linear as `recursion_a` / `recursion_b`; QKV's B splits like its weight's rows, A is shared.
+_LORA_LINEARS = {"linear_proj": "self_attn.o_proj", "linear_fc1": "mlp.fc1", "linear_fc2": "mlp.fc2"}
+_LORA_KINDS = {"a": "recursion_a", "b": "recursion_b"}
+
+
+def _lora_to_hf(name: str, t: torch.Tensor, model: dict) -> dict[str, torch.Tensor]:
+    _, _, _, k, linear, kind = name.split(".")  # block.lora.layers.<k>.<linear>.<a|b>
+    layer = f"model.layers.{model['prelude_layers'] + int(k)}."
+    if linear != "linear_qkv":
+        return {f"{layer}{_LORA_LINEARS[linear]}.{_LORA_KINDS[kind]}": t}
+    if kind == "a":
+        return {f"{layer}self_attn.{proj}.recursion_a": t.clone() for proj in ("q_proj", "k_proj", "v_proj")}
+    parts = _split_qkv(t.transpose(0, 1), model["num_attention_heads"])  # rows of B [R, 3d, rank] per head
+    return {f"{layer}self_attn.{proj}.recursion_b": part.transpose(0, 1).contiguous()
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts)}
+
+
+def _lora_from_hf(hf: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    back = {v: k for k, v in _LORA_LINEARS.items()}
+    for k in range(model["core_layers"]):
+        layer = f"model.layers.{model['prelude_layers'] + k}."
+        prefix = f"block.lora.layers.{k}."
+        for hf_linear, linear in back.items():
+            for kind, hf_kind in _LORA_KINDS.items():
+                out[f"{prefix}{linear}.{kind}"] = hf[f"{layer}{hf_linear}.{hf_kind}"]
+        a = [hf[f"{layer}self_attn.{proj}.recursion_a"] for proj in ("q_proj", "k_proj", "v_proj")]
+        if not (torch.equal(a[0], a[1]) and torch.equal(a[0], a[2])):
+            raise CheckpointError(f"{layer}self_attn: q/k/v_proj.recursion_a differ; grt-megatron's fused QKV "
+                                  "shares one A per recursion (fine-tune the B factors only, or keep the HF model)")
+        b = [hf[f"{layer}self_attn.{proj}.recursion_b"].transpose(0, 1) for proj in ("q_proj", "k_proj", "v_proj")]
+        out[f"{prefix}linear_qkv.a"] = a[0]
+        out[f"{prefix}linear_qkv.b"] = _join_qkv(*b, model["num_attention_heads"]).transpose(0, 1).contiguous()
+    return out
+
+
 def to_hf_state(plain: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
     """A plain fp32 state dict (vocab padding cut to `model['vocab_size']` here) -> HF names."""
     heads, vocab = model["num_attention_heads"], model["vocab_size"]
     names = name_map(model["prelude_layers"] + model["core_layers"] + model["coda_layers"])
     out = {}
     for name, t in plain.items():
+        if name.startswith("block.lora."):
+            out.update(_lora_to_hf(name, t, model))
+            continue
         if ".self_attention.linear_qkv." in name:
             prefix, kind = name.split(".self_attention.linear_qkv.")
             hf = prefix.replace("block.layers.", "model.layers.") + ".self_attn."
@@ -90,8 +130,10 @@ def from_hf_state(hf: dict[str, torch.Tensor], model: dict, padded_vocab: int) -
     """HF state dict -> plain names, vocabulary zero-padded to `padded_vocab` rows."""
     heads = model["num_attention_heads"]
     back = {v: k for k, v in name_map(model["prelude_layers"] + model["core_layers"] + model["coda_layers"]).items()}
-    out, qkv = {}, {}
+    out, qkv = _lora_from_hf(hf, model) if model.get("lora_rank", 0) else {}, {}
     for name, t in hf.items():
+        if name.endswith((".recursion_a", ".recursion_b")):
+            continue
         if ".self_attn." in name and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
             prefix, proj, kind = name.rsplit(".", 2)
             qkv.setdefault((prefix, kind), {})[proj] = t
@@ -113,9 +155,12 @@ _CONFIG_FIELDS = {name: name for name in (
     "vocab_size", "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization", "activation",
     "add_bias_linear", "layernorm_epsilon", "position_embedding", "rotary_base", "prelude_layers", "core_layers",
     "coda_layers", "injection", "gate", "gate_temperature", "gate_bias_init", "initial_state", "depth_sampler",
-    "heavy_tail_sigma", "heavy_tail_k", "noise_sigma", "init_method_std")}
+    "heavy_tail_sigma", "heavy_tail_k", "noise_sigma", "init_method_std", "lora_rank")}
 _CONFIG_FIELDS.update(max_sequence_length="max_position_embeddings", recurrences="num_recurrences",
                       tie_embeddings="tie_word_embeddings")
+
+# Fields added after the first exports: an older folder's config (or checkpoint's model) lacks them.
+_CONFIG_DEFAULTS = {"lora_rank": 0}
 
 
 def hf_config_kwargs(model: dict) -> dict:
@@ -129,20 +174,17 @@ def hf_config_kwargs(model: dict) -> dict:
     if model.get("exit_head", False):
         raise CheckpointError("model.exit_head=true (Ouro) is not supported by the Hugging Face export: "
                               "modeling_grt.py has no exit head; evaluate and generate with grt-eval / grt-generate")
-    if model.get("lora_rank", 0):
-        raise CheckpointError(f"model.lora_rank={model['lora_rank']} (RRT) is not supported by the Hugging Face "
-                              "export: modeling_grt.py runs one set of core weights at every recursion")
     if model["gate"] not in ("mlp", "none"):
         raise CheckpointError(f"model.gate={model['gate']!r} (an ablation) is not supported by the Hugging Face "
                               "export; export models with gate mlp or none")
-    out = {hf: model[name] for name, hf in _CONFIG_FIELDS.items()}
+    out = {hf: model.get(name, _CONFIG_DEFAULTS.get(name)) for name, hf in _CONFIG_FIELDS.items()}
     out["ffn_hidden_size"] = out["ffn_hidden_size"] or 4 * model["hidden_size"]
     return out
 
 
 def model_from_hf_config(config) -> dict:
     """grt-megatron model fields (a recipe) from an HF `GRTConfig`; no dropout."""
-    return {**{name: getattr(config, hf) for name, hf in _CONFIG_FIELDS.items()},
+    return {**{name: getattr(config, hf, _CONFIG_DEFAULTS.get(name)) for name, hf in _CONFIG_FIELDS.items()},
             "hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 

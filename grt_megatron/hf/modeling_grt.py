@@ -10,6 +10,10 @@ grt-megatron's `recurrent_block.py`:
                     g_r = sigmoid(W_2 silu(W_1 [LN(h_{r-1}), LN(h_pre)] + b_1) + b_2);  h_r = g_r h_{r-1} + (1-g_r) o_r
     logits = Head(Norm(Coda(h_R)))
 
+A Relaxed Recursive Transformer (`lora_rank` > 0, Bae et al.) adds to every linear of every core layer a
+low-rank delta per recursion, y = W x + B_r (A_r x) (`RecursionLinear`; past the trained R the last one's);
+they are kept as factors, not merged, so the export stays the shared core's size.
+
 The K/V cache has a slot per layer *execution*: prelude layers, each core layer at each recurrence, coda
 layers; sharing one slot across recurrences would let later recurrences overwrite earlier ones. With
 `kv_cache="average"` the core keeps one slot per core layer holding the mean K/V over recurrences (smaller,
@@ -111,20 +115,46 @@ def _one_cache(cache, past_key_values) -> Optional[RecurrentKVCache]:
     return cache
 
 
+class RecursionLinear(nn.Linear):
+    """`nn.Linear`, plus in a relaxed (RRT) core layer a rank-`rank` delta per recursion r:
+    y = W x + b + B_r (A_r x), `recursion_a` [R, rank, in], `recursion_b` [R, out, rank]. Recursions past the
+    trained R use the last delta, as in training. The names avoid PEFT's `lora_` prefix, so a PEFT LoRA on
+    top trains only its own adapters."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, recursions: int = 0, rank: int = 0):
+        super().__init__(in_features, out_features, bias=bias)
+        if rank > 0:
+            self.recursion_a = nn.Parameter(torch.empty(recursions, rank, in_features))
+            self.recursion_b = nn.Parameter(torch.zeros(recursions, out_features, rank))
+        else:
+            self.register_parameter("recursion_a", None)
+            self.register_parameter("recursion_b", None)
+
+    def forward(self, x: torch.Tensor, recursion: Optional[int] = None) -> torch.Tensor:
+        y = super().forward(x)
+        if self.recursion_a is None:
+            return y
+        if recursion is None:
+            raise ValueError("a relaxed (RRT) core linear needs the recursion it runs")
+        r = min(recursion, self.recursion_a.shape[0] - 1)
+        return y + F.linear(F.linear(x, self.recursion_a[r]), self.recursion_b[r])
+
+
 class GRTAttention(nn.Module):
-    def __init__(self, config: GRTConfig):
+    def __init__(self, config: GRTConfig, lora_rank: int = 0):
         super().__init__()
         d, self.heads = config.hidden_size, config.num_attention_heads
         self.head_dim = d // self.heads
-        bias = config.add_bias_linear
-        self.q_proj = nn.Linear(d, d, bias=bias)
-        self.k_proj = nn.Linear(d, d, bias=bias)
-        self.v_proj = nn.Linear(d, d, bias=bias)
-        self.o_proj = nn.Linear(d, d, bias=bias)
+        bias, r = config.add_bias_linear, config.num_recurrences
+        self.q_proj = RecursionLinear(d, d, bias, r, lora_rank)
+        self.k_proj = RecursionLinear(d, d, bias, r, lora_rank)
+        self.v_proj = RecursionLinear(d, d, bias, r, lora_rank)
+        self.o_proj = RecursionLinear(d, d, bias, r, lora_rank)
 
-    def forward(self, x, mask, rope, cache: Optional[RecurrentKVCache], slot: int, mode: str):
+    def forward(self, x, mask, rope, cache: Optional[RecurrentKVCache], slot: int, mode: str,
+                recursion: Optional[int] = None):
         b, s, _ = x.shape
-        q, k, v = (proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        q, k, v = (proj(x, recursion).view(b, s, self.heads, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         if rope is not None:
             cos, sin = rope
@@ -138,31 +168,34 @@ class GRTAttention(nn.Module):
         else:
             keys, values = cache.update(k, v, slot)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1), recursion)
 
 
 class GRTMLP(nn.Module):
-    def __init__(self, config: GRTConfig):
+    def __init__(self, config: GRTConfig, lora_rank: int = 0):
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=config.add_bias_linear)
-        self.fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+        d, f, bias, r = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear, config.num_recurrences
+        self.fc1 = RecursionLinear(d, f, bias, r, lora_rank)
+        self.fc2 = RecursionLinear(f, d, bias, r, lora_rank)
         self.act = ACTIVATIONS[config.activation]
 
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
+    def forward(self, x, recursion: Optional[int] = None):
+        return self.fc2(self.act(self.fc1(x, recursion)), recursion)
 
 
 class GRTLayer(nn.Module):
-    def __init__(self, config: GRTConfig):
+    """One transformer layer; a core layer of a relaxed model (`lora_rank` > 0) runs recursion r's deltas."""
+
+    def __init__(self, config: GRTConfig, lora_rank: int = 0):
         super().__init__()
         self.input_layernorm = _norm(config)
-        self.self_attn = GRTAttention(config)
+        self.self_attn = GRTAttention(config, lora_rank)
         self.post_attention_layernorm = _norm(config)
-        self.mlp = GRTMLP(config)
+        self.mlp = GRTMLP(config, lora_rank)
 
-    def forward(self, h, mask, rope, cache, slot, mode):
-        h = h + self.self_attn(self.input_layernorm(h), mask, rope, cache, slot, mode)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, mask, rope, cache, slot, mode, recursion=None):
+        h = h + self.self_attn(self.input_layernorm(h), mask, rope, cache, slot, mode, recursion)
+        return h + self.mlp(self.post_attention_layernorm(h), recursion)
 
 
 class GRTPreTrainedModel(PreTrainedModel):
@@ -178,6 +211,9 @@ class GRTPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, std=std)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+            if getattr(module, "recursion_a", None) is not None:  # RRT from scratch: A as LoRA's, B zero
+                nn.init.uniform_(module.recursion_a, -module.in_features ** -0.5, module.in_features ** -0.5)
+                nn.init.zeros_(module.recursion_b)
         elif isinstance(module, GRTModel) and module.gate_fc2 is not None:
             nn.init.constant_(module.gate_fc2.bias, self.config.gate_bias_init)
 
@@ -194,7 +230,10 @@ class GRTModel(GRTPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.embed_positions = (nn.Embedding(config.max_position_embeddings, d)
                                 if config.position_embedding == "learned" else None)
-        self.layers = nn.ModuleList(GRTLayer(config) for _ in range(config.num_hidden_layers))
+        p, k = config.prelude_layers, config.core_layers
+        rank = getattr(config, "lora_rank", 0)
+        self.layers = nn.ModuleList(GRTLayer(config, rank if p <= i < p + k else 0)
+                                    for i in range(config.num_hidden_layers))
         self.injection = nn.Linear(2 * d, d, bias=False) if config.injection == "concat_project" else None
         self.gate_norm_state = self.gate_norm_prelude = self.gate_fc1 = self.gate_fc2 = None
         if config.gate == "mlp":
@@ -230,12 +269,15 @@ class GRTModel(GRTPreTrainedModel):
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [b, 1, s, dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _run(self, i, h, mask, rope, cache, slot, mode):
-        """Layer i once. Under activation checkpointing (training) each execution, recurrences included, keeps
-        only its input and is recomputed in backward; the cache is off then (see `forward`)."""
+    def _run(self, i, h, mask, rope, cache, slot, mode, recursion=None):
+        """Layer i once (`recursion`: which one, for a core layer). Under activation checkpointing (training)
+        each execution, recurrences included, keeps only its input and is recomputed in backward; the cache is
+        off then (see `forward`). The recursion is an argument, not state, so the recomputation runs the same
+        deltas as the forward."""
         if self.gradient_checkpointing and self.training:
-            return self._gradient_checkpointing_func(self.layers[i].__call__, h, mask, rope, None, slot, mode)
-        return self.layers[i](h, mask, rope, cache, slot, mode)
+            return self._gradient_checkpointing_func(self.layers[i].__call__, h, mask, rope, None, slot, mode,
+                                                     recursion)
+        return self.layers[i](h, mask, rope, cache, slot, mode, recursion)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, output_hidden_states=None, output_attentions=None, return_dict=None,
@@ -311,7 +353,8 @@ class GRTModel(GRTPreTrainedModel):
             else:
                 x = layer_in
             for j in range(k):
-                x = self._run(p + j, x, mask, rope, cache, self.slot("core", j, r, recurrences, average), core_mode)
+                x = self._run(p + j, x, mask, rope, cache, self.slot("core", j, r, recurrences, average), core_mode,
+                              recursion=r)
             if self.gate_fc1 is None:
                 new = x.float()
             else:
