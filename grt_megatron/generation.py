@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-recurrences", type=int, default=None, help="R at inference (default: trained R)")
     parser.add_argument("--kv-cache", choices=("per_recurrence", "average"), default=None, help="--hf only")
     parser.add_argument("--exit-threshold", type=float, default=None,
-                        help="adaptive exit: --hf, a GRT's; --checkpoint, an Ouro model's exit rule")
+                        help="a GRT's adaptive exit (--hf), or an Ouro model's exit rule (--hf or --checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     quiet_known_warnings()

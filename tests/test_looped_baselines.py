@@ -2,7 +2,6 @@
 forward/backward, closed-form parameter counts, Ouro's exit distribution and loss against a direct
 computation, RRT at zero LoRA against the plain shared core, and the SVD initialisation from a dense model."""
 
-import math
 
 import pytest
 import torch
@@ -330,3 +329,51 @@ def test_rrt_exports_to_hugging_face_with_its_deltas_and_imports_back(world, tmp
                  "block.lora.layers.0.linear_fc2.b", "block.layers.1.self_attention.linear_qkv.weight"):
         assert torch.equal(tensors[name], plain[name]), name
     assert {k for k in tensors if ".lora." in k} == {k for k in plain if ".lora." in k}
+
+
+def test_ouro_exports_to_hugging_face_with_its_exit_head_and_exit_rule(world, tmp_path):
+    """An Ouro export gives the framework's logits at the last step and, with `exit_threshold`, under the exit
+    rule (tokens exiting at different steps); cached and uncached greedy generation under the rule agree; the
+    import gives back the exit head. An Ouro model with a coda is refused with one line."""
+    from transformers import AutoModelForCausalLM
+
+    from grt_megatron.checkpoint.consolidate import consolidate, write_weights_checkpoint
+    from grt_megatron.checkpoint.store import CheckpointError
+    from grt_megatron.data import SentencePieceTokenizer, load_documents
+    from grt_megatron.hf.convert import export_checkpoint, hf_config_kwargs, import_hf
+
+    config = tiny_config(**OURO)
+    model = GRTLanguageModel(config, init_seed=3).eval()
+    with torch.no_grad():  # spread the exits over the steps
+        model.exit_head.weight.normal_(0, 0.3)
+    plain = {k: v.detach().clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
+    tokenizer = SentencePieceTokenizer.train(load_documents(str(SHAKESPEARE)), vocab_size=400)
+    ckpt = write_weights_checkpoint(tmp_path / "ouro/checkpoints/step_00000000", plain, config.to_dict(), tokenizer,
+                                    reason="test", progress=False)
+    folder = export_checkpoint(ckpt, tmp_path / "hf", progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
+    assert hf.config.exit_head and hf.config.exit_rule_threshold == 0.5 and hf.config.exit_threshold is None
+    tokens = _tokens(300, seed=2, batch=4, length=17)[:, :-1]
+    with torch.no_grad():
+        assert (hf(tokens).logits - model(tokens)).abs().max() <= 1e-4
+        assert (hf.last_recurrences == 3).all()
+        model.exit_rule = "threshold"
+        want = model(tokens)
+        got = hf(tokens, exit_threshold=0.5).logits
+        assert (got - want).abs().max() <= 1e-4
+        steps = hf.last_recurrences
+        assert len(steps.unique()) >= 2, steps.unique()  # the rule really chose among steps
+        assert (got - hf(tokens).logits).abs().max() > 1e-3
+    prompt = tokens[:1, :6]
+    cached = hf.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True, exit_threshold=0.5)
+    uncached = hf.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False, exit_threshold=0.5)
+    assert torch.equal(cached, uncached)
+    with pytest.raises(ValueError, match=r"exit rule takes a probability in \(0, 1\]"):
+        hf(tokens, exit_threshold=1.5)
+
+    back = import_hf(folder, tmp_path / "back/checkpoints/step_00000000", progress=False)
+    tensors, _ = consolidate(back, progress=False)
+    for name in ("exit_head.weight", "exit_head.bias", "block.layers.1.mlp.linear_fc1.weight"):
+        assert torch.equal(tensors[name], plain[name]), name
+    with pytest.raises(CheckpointError, match="coda_layers=1 is not supported by the Hugging Face export"):
+        hf_config_kwargs(tiny_config(**{**OURO, "coda_layers": 1}).to_dict())

@@ -41,6 +41,8 @@ class GRTConfig(PretrainedConfig):
         kv_cache="per_recurrence",
         exit_threshold=None,
         lora_rank=0,
+        exit_head=False,
+        exit_rule_threshold=0.5,
         init_method_std=0.02,
         tie_word_embeddings=True,
         use_cache=True,
@@ -76,9 +78,16 @@ class GRTConfig(PretrainedConfig):
         """`per_recurrence`: a K/V slot for each core layer at each recurrence; `average`: one slot per core
         layer holding the mean over recurrences (R× smaller for the core, approximate)."""
         self.exit_threshold = exit_threshold
-        """Adaptive exit: a token stops recurring once ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ falls below this."""
+        """Adaptive exit: a token stops recurring once ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ falls below this. For an Ouro
+        model (`exit_head`), the exit rule's cumulative exit probability instead."""
         self.lora_rank = lora_rank
         """Relaxed Recursive Transformer: > 0 gives every core linear a rank-`lora_rank` delta per recursion."""
+        self.exit_head = exit_head
+        """Ouro-style looped LM: a learned exit head scores every recurrence; `exit_threshold` then means the
+        cumulative exit probability at which a token takes that step's output (None: the last step)."""
+        self.exit_rule_threshold = exit_rule_threshold
+        """Ouro: the threshold its training run evaluated the exit rule at (`loss_exit_rule`); recorded, pass it
+        as `exit_threshold` to use the rule."""
         self.init_method_std = init_method_std
         self.use_cache = use_cache
         self.num_hidden_layers = prelude_layers + core_layers + coda_layers

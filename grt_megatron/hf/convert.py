@@ -47,7 +47,8 @@ def name_map(num_layers: int) -> dict[str, str]:
     out = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
            "embedding.position_embeddings.weight": "model.embed_positions.weight",
            "final_norm.weight": "model.norm.weight", "final_norm.bias": "model.norm.bias",
-           "output_layer.weight": "lm_head.weight", "block.injection.weight": "model.injection.weight"}
+           "output_layer.weight": "lm_head.weight", "block.injection.weight": "model.injection.weight",
+           "exit_head.weight": "model.exit_head.weight", "exit_head.bias": "model.exit_head.bias"}
     for piece in ("gate_norm_state", "gate_norm_prelude", "gate_fc1", "gate_fc2"):
         for kind in ("weight", "bias"):
             out[f"block.{piece}.{kind}"] = f"model.{piece}.{kind}"
@@ -155,12 +156,12 @@ _CONFIG_FIELDS = {name: name for name in (
     "vocab_size", "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization", "activation",
     "add_bias_linear", "layernorm_epsilon", "position_embedding", "rotary_base", "prelude_layers", "core_layers",
     "coda_layers", "injection", "gate", "gate_temperature", "gate_bias_init", "initial_state", "depth_sampler",
-    "heavy_tail_sigma", "heavy_tail_k", "noise_sigma", "init_method_std", "lora_rank")}
+    "heavy_tail_sigma", "heavy_tail_k", "noise_sigma", "init_method_std", "lora_rank", "exit_head")}
 _CONFIG_FIELDS.update(max_sequence_length="max_position_embeddings", recurrences="num_recurrences",
-                      tie_embeddings="tie_word_embeddings")
+                      tie_embeddings="tie_word_embeddings", exit_threshold="exit_rule_threshold")
 
 # Fields added after the first exports: an older folder's config (or checkpoint's model) lacks them.
-_CONFIG_DEFAULTS = {"lora_rank": 0}
+_CONFIG_DEFAULTS = {"lora_rank": 0, "exit_head": False, "exit_threshold": 0.5}
 
 
 def hf_config_kwargs(model: dict) -> dict:
@@ -171,9 +172,10 @@ def hf_config_kwargs(model: dict) -> dict:
     if model.get("routing", "none") != "none":
         raise CheckpointError(f"model.routing={model['routing']!r} (Mixture-of-Recursions) is not supported by the "
                               "Hugging Face export: modeling_grt.py has no routers")
-    if model.get("exit_head", False):
-        raise CheckpointError("model.exit_head=true (Ouro) is not supported by the Hugging Face export: "
-                              "modeling_grt.py has no exit head; evaluate and generate with grt-eval / grt-generate")
+    if model.get("exit_head", False) and model["coda_layers"]:
+        raise CheckpointError(f"model.exit_head=true (Ouro) with model.coda_layers={model['coda_layers']} is not "
+                              "supported by the Hugging Face export (its coda would run at every step: a cache slot "
+                              "per step); the ouro_* recipes loop the whole stack, coda_layers=0")
     if model["gate"] not in ("mlp", "none"):
         raise CheckpointError(f"model.gate={model['gate']!r} (an ablation) is not supported by the Hugging Face "
                               "export; export models with gate mlp or none")

@@ -14,6 +14,11 @@ A Relaxed Recursive Transformer (`lora_rank` > 0, Bae et al.) adds to every line
 low-rank delta per recursion, y = W x + B_r (A_r x) (`RecursionLinear`; past the trained R the last one's);
 they are kept as factors, not merged, so the export stays the shared core's size.
 
+An Ouro-style looped LM (`exit_head`, no gate, no re-injection, no coda) scores every recurrence's state
+y_t = Norm(h_t) with its exit head, lambda_t = sigmoid(w·y_t + c), p_t = lambda_t prod_{j<t}(1 − lambda_j) (the
+last step takes the rest); a token's output is y_R, or with `exit_threshold` the y_t of the first step whose
+cumulative p reaches it (Ouro's exit rule; every step still runs, so the cache holds every recurrence).
+
 The K/V cache has a slot per layer *execution*: prelude layers, each core layer at each recurrence, coda
 layers; sharing one slot across recurrences would let later recurrences overwrite earlier ones. With
 `kv_cache="average"` the core keeps one slot per core layer holding the mean K/V over recurrences (smaller,
@@ -240,6 +245,9 @@ class GRTModel(GRTPreTrainedModel):
             self.gate_norm_state, self.gate_norm_prelude = _norm(config), _norm(config)
             self.gate_fc1, self.gate_fc2 = nn.Linear(2 * d, d), nn.Linear(d, d)
         self.norm = _norm(config)
+        self.exit_head = nn.Linear(d, 1) if getattr(config, "exit_head", False) else None
+        if self.exit_head is not None and (config.coda_layers or config.gate != "none" or config.injection != "none"):
+            raise ValueError("exit_head (Ouro) runs with coda_layers=0, gate='none' and injection='none'")
         self.gradient_checkpointing = False  # set by `gradient_checkpointing_enable()`
         self.last_recurrences: Optional[torch.Tensor] = None
         self.post_init()
@@ -344,6 +352,12 @@ class GRTModel(GRTPreTrainedModel):
         h_pre, state = h, h.float()
         ran = torch.zeros(b, s, dtype=torch.long, device=h.device)
         active = torch.ones(b, s, dtype=torch.bool, device=h.device)
+        # Ouro: its exit rule (on the exit head's probabilities) replaces the state-change one.
+        exit_rule, step_outputs = (threshold, []) if self.exit_head is not None else (None, None)
+        if exit_rule is not None and not 0 < exit_rule <= 1:
+            raise ValueError(f"exit_threshold={exit_rule}: an Ouro model's exit rule takes a probability in (0, 1]")
+        if self.exit_head is not None:
+            threshold = None
         for r in range(recurrences):
             layer_in = state.to(h_pre.dtype)
             if self.injection is not None:
@@ -362,6 +376,8 @@ class GRTModel(GRTPreTrainedModel):
                 rate = torch.sigmoid(-(self.gate_fc2(F.silu(a)).float() / cfg.gate_temperature))  # 1 − g
                 new = state + rate * (x.float() - state)
             ran += active.long()
+            if step_outputs is not None:
+                step_outputs.append(self.norm(new.to(h_pre.dtype)))
             if threshold is not None:
                 change = (new - state).float().norm(dim=-1) / state.float().norm(dim=-1).clamp_min(1e-12)
                 new = torch.where(active[..., None], new, state)
@@ -381,6 +397,14 @@ class GRTModel(GRTPreTrainedModel):
         if cache is not None and average:
             cache.commit()
         state = state.to(h_pre.dtype)
+        if step_outputs is not None:
+            out, ran = self._exit(step_outputs, exit_rule)
+            if hidden:
+                states[-1] = out
+            self.last_recurrences = ran
+            output = BaseModelOutputWithPast(last_hidden_state=out, cache=cache,
+                                             hidden_states=tuple(states) if hidden else None)
+            return output if return_dict else output.to_tuple()
         for c in range(cfg.coda_layers):
             state = self._run(p + k + c, state, mask, rope, cache, self.slot("coda", c, 0, recurrences, average),
                               "write")
@@ -393,6 +417,24 @@ class GRTModel(GRTPreTrainedModel):
         output = BaseModelOutputWithPast(last_hidden_state=out, cache=cache,
                                          hidden_states=tuple(states) if hidden else None)
         return output if return_dict else output.to_tuple()
+
+
+    def _exit(self, outputs: list, threshold: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ouro: each token's output [b, s, d] (the last step's, or with `threshold` its exit step's) and the
+        steps it counts [b, s]. As grt-megatron's model/ouro.py: log p_t from log-sigmoids, exit at the first t
+        whose cumulative p reaches the threshold, the last step where rounding keeps the sum just under it."""
+        b, s = outputs[-1].shape[:2]
+        if threshold is None:
+            return outputs[-1], torch.full((b, s), len(outputs), dtype=torch.long, device=outputs[-1].device)
+        logits = torch.stack([self.exit_head(y).squeeze(-1).float() for y in outputs])  # [R, b, s]
+        log_exit, log_stay = F.logsigmoid(logits), F.logsigmoid(-logits)
+        survived = torch.cumsum(log_stay, 0) - log_stay
+        log_p = torch.cat([log_exit[:-1] + survived[:-1], survived[-1:]])
+        reached = log_p.exp().cumsum(0) >= threshold
+        reached[-1] = True
+        steps = reached.int().argmax(0)  # [b, s], 0-based
+        chosen = torch.stack(outputs).gather(0, steps[None, ..., None].expand(1, *outputs[-1].shape)).squeeze(0)
+        return chosen, steps.long() + 1
 
 
 class GRTForCausalLM(GRTPreTrainedModel, GenerationMixin):
