@@ -1,7 +1,8 @@
 """Where text comes from: the built-in corpus, local .txt/.jsonl/.parquet files, local directories of them,
 Hugging Face datasets.
 
-A source is, in this order: `builtin:pydoc_topics`; an existing file (`.jsonl`/`.json`: one JSON record a
+A source is, in this order: `builtin:pydoc_topics`; `synthetic:NAME[:options]` (a generated task,
+data/synthetic.py); an existing file (`.jsonl`/`.json`: one JSON record a
 line; `.parquet`; anything else: plain text); an existing directory, read as every `.txt`, `.jsonl`,
 `.json` and `.parquet` file under it, recursively, in sorted path order (folder by folder), each as that
 file alone would be read, other files ignored; otherwise a Hugging Face dataset `name[:config][@split]`
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 BUILTIN_PYDOC = "builtin:pydoc_topics"
+SYNTHETIC = "synthetic:"
+"""`synthetic:NAME[:options]`: a generated depth-probe task (data/synthetic.py)."""
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 TXT_DOCUMENT_CHARS = 8192
 """Plain text files are cut into documents of about this many characters at paragraph breaks, so that
@@ -174,7 +177,7 @@ def directory_files(path: Path) -> list[Path]:
 def _local_files(source: str) -> list[Path] | None:
     """The files a local source reads (None: not local, a dataset name or the built-in corpus); a path
     that is not there, or a directory with nothing to read, is refused."""
-    if source in (BUILTIN_PYDOC, "builtin"):
+    if source in (BUILTIN_PYDOC, "builtin") or source.startswith(SYNTHETIC):
         return None
     path = Path(source).expanduser()
     if path.is_file():
@@ -194,12 +197,21 @@ def check_sources(sources: Sequence[str] | str) -> None:
     """Refuse a missing local input or an empty directory now, before hours are spent on the inputs
     before it (the contents are checked as they are read)."""
     for source in [sources] if isinstance(sources, str) else sources:
+        if source.startswith(SYNTHETIC):
+            from grt_megatron.data.synthetic import parse_synthetic
+
+            parse_synthetic(source)
         _local_files(source)
 
 
 def _one_source(source: str, policy: SourcePolicy, stats: SourceStats) -> Iterator[str]:
     if source in (BUILTIN_PYDOC, "builtin"):
         yield from _pydoc_topics()
+        return
+    if source.startswith(SYNTHETIC):
+        from grt_megatron.data.synthetic import parse_synthetic
+
+        yield from parse_synthetic(source).documents()
         return
     files = _local_files(source)
     if files is None:

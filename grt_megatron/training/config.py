@@ -125,6 +125,20 @@ class DataConfig:
 
 
 @dataclass
+class ProbeConfig:
+    """The depth probe (training/probe.py): a synthetic task's held-out examples scored at every validation."""
+
+    task: Optional[str] = None
+    """A prefix prepared from a synthetic task (`data/chains_1k`: its meta.json names the task), or the task
+    spec itself (`synthetic:chains:hops=1-4,examples=50000`, quoted on a hydra command line). The held-out
+    examples avoid that training corpus's prompts. None: no probe."""
+    hops: list[int] = field(default_factory=list)
+    """The k values scored; empty: the task's training range and twice its top (length generalisation)."""
+    examples: int = 128
+    """Held-out examples per k."""
+
+
+@dataclass
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
@@ -209,6 +223,7 @@ class RunConfig:
     run: RunDirConfig = field(default_factory=RunDirConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
     seed: int = 1234
     resume: Optional[str] = None
     """`auto` (the newest complete checkpoint of run.dir, if any) or a checkpoint / run directory."""
@@ -298,6 +313,24 @@ def check_optimizer_settings(t: TrainConfig, pp: int) -> None:
               f"reaches train.lr={t.lr:g} (it ends at {t.lr * t.iters / t.warmup_iters:.3g})", file=sys.stderr)
 
 
+def check_probe(run: RunConfig) -> None:
+    """The probe's task spec, its k values and the layout it runs in, refused with one line."""
+    probe = run.probe
+    if probe.task is None:
+        return
+    from grt_megatron.data.synthetic import probe_hops, resolve_task
+
+    try:
+        probe_hops(resolve_task(probe.task), probe.hops)
+    except ValueError as err:
+        raise ConfigError(f"probe.task: {err}") from None
+    if probe.examples < 1:
+        raise ConfigError(f"probe.examples must be >= 1, got {probe.examples}")
+    if run.parallel.pp > 1:
+        raise ConfigError("probe.task is not supported with parallel.pp > 1: the probe reads the logits, which "
+                          "only the last pipeline stage has")
+
+
 def build_run_config(cfg: DictConfig | dict, world_size: Optional[int] = None) -> RunConfig:
     """Validate a composed hydra config against the schema and its layout at `world_size` processes (by
     default the launcher's); errors name the offending key. grt-submit calls this at a job's size."""
@@ -339,6 +372,7 @@ def build_run_config(cfg: DictConfig | dict, world_size: Optional[int] = None) -
     # would hang it) and before any data is prepared (the vocabulary is known only later).
     run.validate_layout(world_size_from_env() if world_size is None else world_size)
     run.model_config(vocab_size=run.model.get("vocab_size") or 1)
+    check_probe(run)
     if bool(run.data.source) == bool(run.data.prefixes):
         raise ConfigError("set exactly one of data.source (a raw corpus) and data.prefixes (prepared data)")
     return run

@@ -1,7 +1,9 @@
 """Validation during training: the loss at the configured R with the recurrence diagnostics, MoR's other
-routing rule, and the depth sweep at the end. Each writes its records to metrics.jsonl."""
+routing rule, Ouro's exit rule, the depth probe (probe.py), and the depth sweep at the end. Each writes its records to metrics.jsonl."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 import torch.distributed as dist
@@ -11,14 +13,20 @@ from tqdm import tqdm
 from grt_megatron.model import GRTConfig, forward_flops_per_token
 from grt_megatron.model.ouro import ExitStats, recording_exit_stats
 from grt_megatron.training.metrics import MetricsLogger
+from grt_megatron.training.probe import DepthProbe
 from grt_megatron.training.step_runner import StepRunner
 
 
 class Evaluator:
     def __init__(self, runner: StepRunner, model_config: GRTConfig, valid_rows: np.ndarray, logger: MetricsLogger,
-                 seq_length: int, progress: bool):
+                 seq_length: int, progress: bool, probe: Optional[DepthProbe] = None):
         self.runner, self.model_config, self.valid_rows = runner, model_config, valid_rows
         self.logger, self.seq_length, self.progress = logger, seq_length, progress
+        self.probe = probe
+
+    def probe_metrics(self, recurrences: Optional[int] = None) -> dict[str, float]:
+        """The depth probe's metrics (probe.py) at `recurrences`; empty without a probe."""
+        return self.probe.evaluate(self.runner, recurrences) if self.probe is not None else {}
 
     def validate(self, step: int) -> float:
         """Validation loss at the configured R, logged (`split: valid`) with, per recurrence, the mean gate
@@ -28,7 +36,8 @@ class Evaluator:
         gates = {f"{key}_r{r + 1}": value for r, step_stats in enumerate(stats)
                  for key, value in step_stats.items() if value == value}  # NaN: no gate in this model
         self.logger.log({"step": step, "split": "valid", "loss": loss, "perplexity": float(np.exp(min(loss, 50.0))),
-                         "recurrences": self.model_config.recurrences, **gates, **self.other_mor_routing(), **self.exit_rule()})
+                         "recurrences": self.model_config.recurrences, **gates, **self.other_mor_routing(),
+                         **self.exit_rule(), **self.probe_metrics()})
         return loss
 
     def other_mor_routing(self) -> dict[str, float]:
@@ -71,6 +80,7 @@ class Evaluator:
                       disable=not (is_main and self.progress)):
             loss = self.runner.validation_loss(self.valid_rows, recurrences=r)[0]
             self.logger.log({"step": step, "split": "depth_sweep", "recurrences": r, "loss": loss,
-                             "flops_per_token": forward_flops_per_token(cfg, self.seq_length, r)["total"]})
+                             "flops_per_token": forward_flops_per_token(cfg, self.seq_length, r)["total"],
+                             **self.probe_metrics(r)})
         if is_main:
             print(f"depth sweep: validation loss at R = 1 … {top} logged to metrics.jsonl", flush=True)

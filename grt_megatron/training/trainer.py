@@ -43,6 +43,7 @@ from grt_megatron.parallel.parallelize import parallelize
 from grt_megatron.training.config import RunConfig
 from grt_megatron.training.data import BatchPrefetcher, default_train_samples, on_main_rank, setup_training_data
 from grt_megatron.training.evaluation import Evaluator
+from grt_megatron.training.probe import DepthProbe
 from grt_megatron.training.metrics import MetricsLogger, peak_flops_per_device
 from grt_megatron.training.resume import check_resume, restore_checkpoint, select_checkpoint, truncate_metrics
 from grt_megatron.training.run_dir import claim_run_dir
@@ -183,8 +184,12 @@ class Trainer:
         job = slurm_job()
         self.logger = MetricsLogger(self.run_dir, info.is_main, cfg.logging.wandb, cfg.logging.wandb_project,
                                     cfg.run.name, {**cfg.to_dict(), "slurm": job})
+        probe = None
+        if cfg.probe.task is not None:
+            pad = cfg.parallel.tp if cfg.parallel.sp else 1  # sequence parallelism splits the sequence over TP
+            probe = DepthProbe(cfg.probe, self.tokenizer, self.seq_length, pad_multiple=pad)
         self.evaluator = Evaluator(self.runner, self.model_config, self.data.valid_rows, self.logger,
-                                   self.seq_length, cfg.logging.progress)
+                                   self.seq_length, cfg.logging.progress, probe)
         if info.is_main and job:
             print(f"SLURM job {job['job_id']}, restart {job['restart_count']}", flush=True)
         if info.is_main:

@@ -1,0 +1,183 @@
+"""Synthetic depth probes: tasks whose difficulty is a number k of sequential steps, which a model of fixed
+depth can only do with enough layers (or recurrences). A task is a corpus source like any other:
+
+    grt-prepare-data --input synthetic:chains:hops=1-4,examples=50000 \\
+        --tokenizer data/books_1k.tokenizer.model --output-prefix data/chains_1k
+
+and the same spec names the held-out validation examples that training evaluates (`probe.task`,
+training/probe.py), at the training k and beyond it.
+
+`chains` (variable binding): `chains` chains of k bindings each over distinct one-letter variables; a chain's
+first binding is a digit, each later one names the chain's previous variable; all bindings are shuffled
+together; the query names the last variable of one chain, and the answer is that chain's digit:
+
+    j = 4 ; q = j ; x = 7 ; f = q ; b = x ; w = b ; ? f = 4          (k = 3, chains = 2: f → q → j → 4)
+
+Reading the answer takes k dependent lookups (the query's variable, then the variable it names, ...), each an
+attention step that needs the previous one's result, so the depth a model needs grows with k. The chains
+share one length and distinct digits, so neither the length nor the digit gives the answer away.
+
+Examples are a pure function of (task options, stream, index): `train` examples 0 … examples−1 form the
+corpus; validation examples come from the `valid` stream, with any prompt that also occurs in the training
+corpus dropped, so a validation score is never a memorised training example.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from grt_megatron.data.sources import DataError
+
+SYNTHETIC_PREFIX = "synthetic:"
+VARIABLES = string.ascii_lowercase + string.ascii_uppercase
+
+
+@dataclass(frozen=True)
+class ProbeExample:
+    """One problem: the model reads `prompt` and should continue it with `answer`."""
+
+    prompt: str
+    answer: str
+    hops: int
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.answer
+
+
+@dataclass(frozen=True)
+class ChainsTask:
+    """Variable-binding chains (module docstring). `hops`: the range k is drawn from, uniformly, for the
+    training corpus; `chains`: chains per example (one queried, the others distractors)."""
+
+    hops: tuple[int, int] = (1, 4)
+    chains: int = 2
+    examples: int = 20000
+    seed: int = 0
+    name = "chains"
+
+    def __post_init__(self) -> None:
+        lo, hi = self.hops
+        if not 1 <= lo <= hi:
+            raise DataError(f"synthetic:chains: hops={lo}-{hi} must be 1 <= low <= high")
+        if not 1 <= self.chains <= 10:
+            raise DataError(f"synthetic:chains: chains={self.chains} must be 1 … 10 (each chain has its own digit)")
+        if self.examples < 1:
+            raise DataError(f"synthetic:chains: examples={self.examples} must be >= 1")
+        self.check_hops(hi)
+
+    def check_hops(self, hops: int) -> None:
+        if hops < 1 or hops * self.chains > len(VARIABLES):
+            raise DataError(f"synthetic:chains: k={hops} with chains={self.chains} needs {hops * self.chains} "
+                            f"distinct variables; there are {len(VARIABLES)} (a-z, A-Z)")
+
+    def example(self, stream: str, index: int, hops: int | None = None) -> ProbeExample:
+        """Example `index` of `stream` (`train` or `valid`), at `hops` (default: drawn from `self.hops`)."""
+        rng = random.Random(f"chains/{self.seed}/{stream}/{index}")
+        k = rng.randint(*self.hops) if hops is None else hops
+        self.check_hops(k)
+        names = rng.sample(VARIABLES, self.chains * k)
+        digits = rng.sample(range(10), self.chains)
+        bindings = []
+        for c in range(self.chains):
+            chain = names[c * k : (c + 1) * k]
+            bindings.append((chain[0], str(digits[c])))
+            bindings.extend((chain[i], chain[i - 1]) for i in range(1, k))
+        rng.shuffle(bindings)
+        query = rng.randrange(self.chains)
+        prompt = " ; ".join(f"{left} = {right}" for left, right in bindings)
+        prompt += f" ; ? {names[query * k + k - 1]} ="
+        return ProbeExample(prompt, f" {digits[query]}", k)
+
+    def documents(self) -> Iterator[str]:
+        """The training corpus: one example a document (the tokenizer's EOS closes each)."""
+        for index in range(self.examples):
+            yield self.example("train", index).text
+
+    def validation(self, hops: int, count: int) -> list[ProbeExample]:
+        """`count` held-out examples at exactly `hops` (none of whose prompts is in the training corpus)."""
+        self.check_hops(hops)
+        lo, hi = self.hops
+        seen = _training_prompts(self) if lo <= hops <= hi else frozenset()
+        out, index = [], 0
+        while len(out) < count:
+            ex = self.example("valid", index, hops)
+            index += 1
+            if ex.prompt not in seen:
+                out.append(ex)
+            if index > 100 * count:
+                raise DataError(f"synthetic:chains: fewer than {count} held-out examples exist at k={hops} "
+                                "(the training corpus covers the task): use more chains or fewer examples")
+        return out
+
+
+def resolve_task(value: str) -> ChainsTask:
+    """A task from a spec (`synthetic:chains:...`) or from a prefix grt-prepare-data wrote from one (its
+    `PREFIX.meta.json` names the spec, so the probe and the corpus cannot disagree on the options)."""
+    if value.startswith(SYNTHETIC_PREFIX):
+        return parse_synthetic(value)
+    meta = Path(f"{value}.meta.json")
+    if not meta.is_file():
+        raise DataError(f"{value!r} is neither a synthetic:NAME[:options] spec nor a prepared prefix "
+                        f"({meta} does not exist)")
+    try:
+        inputs = json.loads(meta.read_text())["inputs"]
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{meta}: not a grt-prepare-data meta file (no inputs list)") from None
+    specs = [i for i in inputs if isinstance(i, str) and i.startswith(SYNTHETIC_PREFIX)]
+    if len(specs) != 1:
+        raise DataError(f"{meta}: the prefix was prepared from {inputs}, not from exactly one synthetic task")
+    return parse_synthetic(specs[0])
+
+
+def probe_hops(task: ChainsTask, requested=()) -> list[int]:
+    """The k values a probe scores: `requested`, or the training range and twice its top (length
+    generalisation), each checked against the task."""
+    lo, hi = task.hops
+    hops = sorted(set(requested)) or sorted({*range(lo, hi + 1), 2 * hi})
+    for k in hops:
+        task.check_hops(k)
+    return hops
+
+
+@functools.lru_cache(maxsize=4)
+def _training_prompts(task: ChainsTask) -> frozenset[str]:
+    """The training corpus's prompts (about 7 s for 50,000 examples: once per task, not per k)."""
+    return frozenset(task.example("train", i).prompt for i in range(task.examples))
+
+
+TASKS = {"chains": ChainsTask}
+
+
+def _range(value: str) -> tuple[int, int]:
+    lo, _, hi = value.partition("-")
+    return int(lo), int(hi or lo)
+
+
+_OPTIONS = {"hops": _range, "chains": int, "examples": int, "seed": int}
+
+
+def parse_synthetic(spec: str) -> ChainsTask:
+    """`synthetic:NAME[:key=value,...]` (the `synthetic:` prefix optional) -> the task. Bad names, options or
+    values raise DataError naming them."""
+    body = spec[len(SYNTHETIC_PREFIX):] if spec.startswith(SYNTHETIC_PREFIX) else spec
+    name, _, options = body.partition(":")
+    if name not in TASKS:
+        raise DataError(f"input {spec!r}: unknown synthetic task {name!r} (known: {', '.join(sorted(TASKS))})")
+    kwargs = {}
+    for item in filter(None, options.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in _OPTIONS or not eq:
+            raise DataError(f"input {spec!r}: {item!r} is not key=value with key one of {', '.join(_OPTIONS)}")
+        try:
+            kwargs[key] = _OPTIONS[key](value)
+        except ValueError:
+            raise DataError(f"input {spec!r}: {key}={value!r} is not "
+                            f"{'a range like 1-4' if key == 'hops' else 'an integer'}") from None
+    return TASKS[name](**kwargs)

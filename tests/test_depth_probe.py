@@ -1,0 +1,225 @@
+"""The depth probe: the synthetic `chains` task (determinism, answers that follow from the bindings, held-out
+validation, one-line refusals), the answer-token metrics on hand-made logits, and the probe inside real
+training runs, mixed with another corpus, equal in one process and in DP 2."""
+
+import math
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, read_jsonl, run_cli, run_prepare
+
+from grt_megatron.data import DataError, load_tokenizer
+from grt_megatron.data.synthetic import ChainsTask, parse_synthetic, probe_hops, resolve_task
+
+QUIET = ["logging.wandb=disabled", "logging.progress=false"]
+
+
+def _solve(prompt: str) -> tuple[str, int]:
+    """The answer and the number of bindings read, by following the query's chain back to its digit."""
+    body, query = prompt.rsplit(" ; ? ", 1)
+    bindings = dict(b.split(" = ") for b in body.split(" ; "))
+    name, read = query.removesuffix(" ="), 0
+    while not name.isdigit():
+        name, read = bindings[name], read + 1
+    return name, read
+
+
+def test_chains_are_deterministic_and_every_answer_follows_from_the_bindings():
+    task = parse_synthetic("synthetic:chains:hops=1-4,examples=50000")
+    assert task == ChainsTask(hops=(1, 4), chains=2, examples=50000, seed=0)
+    # Pinned: a change of the generator would silently change every corpus and probe made with it.
+    assert task.example("train", 0).text == "H = I ; V = q ; q = 5 ; I = 4 ; ? H = 4"
+    assert list(parse_synthetic("synthetic:chains:examples=300").documents()) == \
+        list(parse_synthetic("synthetic:chains:examples=300").documents())
+    assert list(parse_synthetic("synthetic:chains:examples=50,seed=1").documents()) != \
+        list(parse_synthetic("synthetic:chains:examples=50").documents())
+    three = parse_synthetic("synthetic:chains:hops=2-6,chains=3,examples=400")
+    seen_hops = set()
+    for i in range(400):
+        ex = three.example("train", i)
+        answer, read = _solve(ex.prompt)
+        assert ex.answer == f" {answer}" and read == ex.hops, ex.text
+        statements = ex.prompt.split(" ; ")[:-1]
+        assert len(statements) == 3 * ex.hops  # three chains of k bindings, one digit each
+        digits = [s.split(" = ")[1] for s in statements if s.split(" = ")[1].isdigit()]
+        assert len(digits) == len(set(digits)) == 3
+        seen_hops.add(ex.hops)
+    assert seen_hops == {2, 3, 4, 5, 6}
+
+
+def test_validation_is_held_out_at_exactly_k_and_past_the_training_range():
+    task = parse_synthetic("synthetic:chains:hops=1-2,examples=5000")
+    train = {task.example("train", i).prompt for i in range(task.examples)}
+    for k in (1, 2, 5):
+        valid = task.validation(k, 200)
+        assert len(valid) == 200 and {ex.hops for ex in valid} == {k}
+        assert not train & {ex.prompt for ex in valid}
+        assert all(ex.answer == f" {_solve(ex.prompt)[0]}" for ex in valid)
+    assert probe_hops(task) == [1, 2, 4] and probe_hops(task, [3, 1]) == [1, 3]
+    # k = 1 with one chain has 52 variables × 10 digits = 520 prompts: a corpus of 5,000 covers them all.
+    with pytest.raises(DataError, match="fewer than 10 held-out examples exist at k=1"):
+        parse_synthetic("synthetic:chains:hops=1-1,chains=1,examples=5000").validation(1, 10)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("synthetic:sums", "unknown synthetic task 'sums' (known: chains)"),
+    ("synthetic:chains:depth=3", "'depth=3' is not key=value with key one of hops, chains, examples, seed"),
+    ("synthetic:chains:hops=a-b", "hops='a-b' is not a range like 1-4"),
+    ("synthetic:chains:hops=4-2", "hops=4-2 must be 1 <= low <= high"),
+    ("synthetic:chains:hops=1-30", "k=30 with chains=2 needs 60 distinct variables; there are 52"),
+    ("synthetic:chains:chains=11", "chains=11 must be 1 … 10"),
+])
+def test_bad_specs_are_one_line(spec, message):
+    with pytest.raises(DataError, match=re.escape(message)):
+        parse_synthetic(spec)
+
+
+def test_prepare_writes_the_task_and_the_prefix_names_it(pydoc_prefix, tmp_path):
+    tokenizer = f"{pydoc_prefix[0]}.tokenizer.model"
+    spec = "synthetic:chains:hops=1-3,examples=500,seed=7"
+    proc = run_prepare(["--input", spec, "--tokenizer", tokenizer, "--output-prefix", str(tmp_path / "chains"),
+                        "--no-progress"])
+    assert proc.returncode == 0, proc.stderr
+    assert "500 documents" in proc.stdout
+    assert resolve_task(str(tmp_path / "chains")) == parse_synthetic(spec)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    data, tok = IndexedDataset(str(tmp_path / "chains")), load_tokenizer(tokenizer)
+    assert len(data) == 500
+    first = [int(t) for t in data[0]]
+    assert first[-1] == tok.eos_id and tok.decode(first[:-1]) == parse_synthetic(spec).example("train", 0).text
+    bad = run_prepare(["--input", "synthetic:chains:hops=9", "--input", "synthetic:chainz", "--tokenizer", tokenizer,
+                       "--output-prefix", str(tmp_path / "bad"), "--no-progress"])
+    assert bad.returncode != 0 and "unknown synthetic task 'chainz'" in bad.stderr
+    assert not list(tmp_path.glob("bad*"))
+    with pytest.raises(DataError, match="not from exactly one synthetic task"):
+        resolve_task(str(pydoc_prefix[0]))
+    with pytest.raises(DataError, match="neither a synthetic:NAME"):
+        resolve_task(str(tmp_path / "missing"))
+
+
+class _Oracle(torch.nn.Module):
+    """Hand-made logits for a probe set: `answer_logit` on the true token at answer positions, `prompt_logit`
+    on it at prompt positions, 0 elsewhere; `wrong_second` puts the answer's second token's mass on another
+    token (the first right, the whole answer wrong)."""
+
+    def __init__(self, probe, vocab, answer_logit=0.0, prompt_logit=0.0, wrong_second=False):
+        super().__init__()
+        self.probe, self.vocab = probe, vocab
+        self.answer_logit, self.prompt_logit, self.wrong_second = answer_logit, prompt_logit, wrong_second
+
+    def forward(self, tokens, labels, recurrences):
+        assert labels is None
+        rows = torch.as_tensor(self.probe.tokens)
+        index = [int(torch.nonzero((rows[:, : tokens.shape[1]] == t).all(-1))[0]) for t in tokens]
+        out = torch.zeros(*tokens.shape, self.vocab)
+        for b, i in enumerate(index):
+            targets = rows[i, 1:]
+            answer = np.flatnonzero(self.probe.answer[i])
+            for pos in range(tokens.shape[1]):
+                value = self.answer_logit if self.probe.answer[i, pos] else \
+                    self.prompt_logit if self.probe.prompt[i, pos] else 0.0
+                wrong = self.wrong_second and pos == answer[-1]
+                out[b, pos, (int(targets[pos]) + 1) % self.vocab if wrong else int(targets[pos])] = value
+        return out
+
+
+class _Runner:
+    def __init__(self, engine, micro_batch=3):
+        self.engine, self.micro_batch = engine, micro_batch
+        self.info = type("Info", (), {"dp_rank": 0, "dp_size": 1})()
+
+
+def test_answer_metrics_on_hand_made_logits(pydoc_prefix):
+    from grt_megatron.training.probe import DepthProbe, encode_probe_set
+
+    tok = load_tokenizer(f"{pydoc_prefix[0]}.tokenizer.model")
+    task = parse_synthetic("synthetic:chains:hops=1-2,examples=100")
+    examples = task.validation(2, 7)
+    probe = encode_probe_set(examples, tok, seq_length=64, hops=2, pad_multiple=4)
+    assert (probe.tokens.shape[1] - 1) % 4 == 0
+    for i, ex in enumerate(examples):
+        prompt, full = tok.encode(ex.prompt), tok.encode(ex.text)
+        labels = probe.tokens[i, 1:]
+        assert list(labels[probe.answer[i]]) == full[len(prompt):]  # exactly the answer's tokens
+        assert list(labels[probe.prompt[i]]) == prompt[1:]  # the prompt's, after the first
+    n_answer = probe.answer.sum(1)
+    assert (n_answer >= 1).all()
+    vocab = tok.vocab_size
+    metrics = DepthProbe.__new__(DepthProbe)
+    metrics.sets = [probe]
+
+    def run(**oracle):
+        return metrics.evaluate(_Runner(_Oracle(probe, vocab, **oracle)))
+
+    # The metrics are computed in fp32 (as the loss is): equal to the closed forms to fp32's rounding.
+    uniform = run()  # every token log V; argmax of equal logits is token 0, never an answer here
+    assert uniform["probe_accuracy_k2"] == 0.0
+    assert uniform["probe_answer_nll_k2"] == pytest.approx(n_answer.mean() * math.log(vocab), rel=1e-6, abs=1e-5)
+    assert uniform["probe_prompt_loss_k2"] == pytest.approx(math.log(vocab), rel=1e-6)
+    sure = run(answer_logit=10.0, prompt_logit=2.0)
+    per_token = math.log1p((vocab - 1) * math.exp(-10.0))
+    assert sure["probe_accuracy_k2"] == 1.0
+    assert sure["probe_answer_nll_k2"] == pytest.approx(n_answer.mean() * per_token, rel=1e-6, abs=1e-5)
+    assert sure["probe_prompt_loss_k2"] == pytest.approx(math.log1p((vocab - 1) * math.exp(-2.0)), rel=1e-6, abs=1e-5)
+    if (n_answer > 1).all():  # a tokenizer that splits " 4" in two: one right token is not a right answer
+        assert run(answer_logit=10.0, wrong_second=True)["probe_accuracy_k2"] == 0.0
+
+
+def test_probe_in_training_mixed_with_a_corpus_equal_in_one_process_and_dp2(pydoc_prefix, tmp_path):
+    prefix = tmp_path / "chains"
+    proc = run_prepare(["--input", "synthetic:chains:hops=1-2,examples=2000", "--tokenizer",
+                        f"{pydoc_prefix[0]}.tokenizer.model", "--output-prefix", str(prefix), "--no-progress"])
+    assert proc.returncode == 0, proc.stderr
+    common = ["model=tiny", "data=indexed", f"data.prefixes=[{pydoc_prefix[0]},{prefix}]", "data.weights=[0.5,0.5]",
+              "train.iters=4", "train.eval_interval=2", "train.eval_iters=1", "train.global_batch_size=4",
+              "train.micro_batch_size=2", "train.depth_sweep=1", f"probe.task={prefix}", "probe.examples=12", *QUIET]
+    runs = {}
+    for name, launcher in (("one", None), ("dp2", [sys.executable, "-m", "torch.distributed.run",
+                                                   "--nproc_per_node=2", "--master_port=29871"])):
+        run_dir = tmp_path / name
+        proc = run_cli([*common, f"run.dir={run_dir}"], launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = read_jsonl(run_dir / "metrics.jsonl")
+    valid = [r for r in runs["one"] if r.get("split") == "valid"]
+    assert [r["step"] for r in valid] == [2, 4]
+    keys = [f"probe_{m}_k{k}" for k in (1, 2, 4) for m in ("accuracy", "answer_nll", "prompt_loss")]
+    for record in valid:
+        assert all(math.isfinite(record[key]) for key in keys), record
+        assert all(0.0 <= record[f"probe_accuracy_k{k}"] <= 1.0 for k in (1, 2, 4))
+    sweep = [r for r in runs["one"] if r.get("split") == "depth_sweep"]
+    assert [r["recurrences"] for r in sweep] == [1, 2, 3, 4, 5] and all(set(keys) <= set(r) for r in sweep)
+    assert sweep[0]["probe_answer_nll_k2"] != sweep[-1]["probe_answer_nll_k2"]  # R reaches the probe
+    evals = {name: [r for r in records if r.get("split") in ("valid", "depth_sweep")]
+             for name, records in runs.items()}
+    assert len(evals["dp2"]) == len(evals["one"]) == 7
+    for got, want in zip(evals["dp2"], evals["one"]):
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def test_probe_settings_are_checked_with_the_run(pydoc_prefix):
+    from hydra import compose, initialize_config_dir
+
+    from grt_megatron.model import ConfigError
+    from grt_megatron.training.config import build_run_config
+
+    def build(*overrides, world_size=1):
+        with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+            cfg = compose("train", overrides=["model=tiny", "data=indexed", f"data.prefixes=[{pydoc_prefix[0]}]",
+                                              *overrides])
+        return build_run_config(cfg, world_size=world_size)
+
+    assert build("probe.task='synthetic:chains:hops=1-2'", "probe.hops=[1,3]").probe.hops == [1, 3]
+    for overrides, message in (
+            (["probe.task=synthetic:chainz"], "probe.task: input 'synthetic:chainz': unknown synthetic task"),
+            (["probe.task='synthetic:chains:hops=1-2'", "probe.hops=[40]"], "k=40 with chains=2 needs 80"),
+            (["probe.task='synthetic:chains'", "probe.examples=0"], "probe.examples must be >= 1, got 0"),
+            ([f"probe.task={pydoc_prefix[0]}"], "not from exactly one synthetic task")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            build(*overrides)
+    with pytest.raises(ConfigError, match=re.escape("probe.task is not supported with parallel.pp > 1")):
+        build("probe.task='synthetic:chains'", "parallel.pp=2", "deepspeed.zero_stage=1", world_size=2)
