@@ -50,6 +50,23 @@ def test_chains_are_deterministic_and_every_answer_follows_from_the_bindings():
     assert seen_hops == {2, 3, 4, 5, 6}
 
 
+def test_more_queries_ask_other_variables_after_the_same_scored_problem():
+    one = parse_synthetic("synthetic:chains:hops=1-4,examples=200")
+    many = parse_synthetic("synthetic:chains:hops=1-4,examples=200,queries=8")
+    for i in range(200):
+        a, b = one.example("train", i), many.example("train", i)
+        assert a.text == b.text and a.more == ""  # the scored problem is unchanged
+        asked = b.more.split(" ; ? ")[1:]
+        assert len(asked) == min(8, 2 * b.hops) - 1
+        names = [q.split(" = ")[0] for q in asked]
+        assert len(set(names)) == len(names) and b.prompt.rsplit("? ", 1)[1][:-2] not in names
+        for q in asked:  # each further answer follows from the bindings
+            name, digit = q.split(" = ")
+            assert digit == _solve(b.prompt.rsplit(" ; ? ", 1)[0] + f" ; ? {name} =")[0], b.text + b.more
+    docs = list(many.documents())
+    assert docs[0] == many.example("train", 0).text + many.example("train", 0).more
+
+
 def test_validation_is_held_out_at_exactly_k_and_past_the_training_range():
     task = parse_synthetic("synthetic:chains:hops=1-2,examples=5000")
     train = {task.example("train", i).prompt for i in range(task.examples)}
@@ -66,7 +83,7 @@ def test_validation_is_held_out_at_exactly_k_and_past_the_training_range():
 
 @pytest.mark.parametrize("spec, message", [
     ("synthetic:sums", "unknown synthetic task 'sums' (known: chains)"),
-    ("synthetic:chains:depth=3", "'depth=3' is not key=value with key one of hops, chains, examples, seed"),
+    ("synthetic:chains:depth=3", "'depth=3' is not key=value with key one of hops, chains, examples, seed, queries"),
     ("synthetic:chains:hops=a-b", "hops='a-b' is not a range like 1-4"),
     ("synthetic:chains:hops=4-2", "hops=4-2 must be 1 <= low <= high"),
     ("synthetic:chains:hops=1-30", "k=30 with chains=2 needs 60 distinct variables; there are 52"),

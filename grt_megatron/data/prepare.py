@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input", action="append", required=True, metavar="PATH_OR_DATASET",
                         help=".txt / .jsonl / .json / .parquet file; a directory (every such file under it, "
                              "recursively, in sorted path order); builtin:pydoc_topics; synthetic:chains[:hops=1-4,"
-                             "chains=2,examples=20000,seed=0] (a depth probe); or a Hugging Face "
+                             "chains=2,examples=20000,seed=0,queries=1] (a depth probe); or a Hugging Face "
                              "dataset name[:config][@split]; repeat for several")
     parser.add_argument("--output-prefix", required=True,
                         help="writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json (a file-name prefix, not a directory)")

@@ -18,7 +18,8 @@ attention step that needs the previous one's result, so the depth a model needs 
 share one length and distinct digits, so neither the length nor the digit gives the answer away.
 
 Examples are a pure function of (task options, stream, index): `train` examples 0 … examples−1 form the
-corpus; validation examples come from the `valid` stream, with any prompt that also occurs in the training
+corpus (with `queries` > 1, each document asks further variables after the scored query); validation
+examples (the scored query alone) come from the `valid` stream, with any prompt that also occurs in the training
 corpus dropped, so a validation score is never a memorised training example.
 """
 
@@ -45,21 +46,28 @@ class ProbeExample:
     prompt: str
     answer: str
     hops: int
+    more: str = ""
+    """The training document's further queries with their answers (`queries` > 1), after the scored one."""
 
     @property
     def text(self) -> str:
+        """The scored problem: prompt and answer (the probe's example)."""
         return self.prompt + self.answer
 
 
 @dataclass(frozen=True)
 class ChainsTask:
     """Variable-binding chains (module docstring). `hops`: the range k is drawn from, uniformly, for the
-    training corpus; `chains`: chains per example (one queried, the others distractors)."""
+    training corpus; `chains`: chains per example (one queried, the others distractors); `queries`: up to
+    this many queries per training document (at most one per variable): the first asks a chain's last
+    variable (k lookups, the one the probe scores), the others ask random variables (fewer lookups, or one
+    when an earlier answer already names it); more answers per token make the lookups faster to learn."""
 
     hops: tuple[int, int] = (1, 4)
     chains: int = 2
     examples: int = 20000
     seed: int = 0
+    queries: int = 1
     name = "chains"
 
     def __post_init__(self) -> None:
@@ -70,6 +78,8 @@ class ChainsTask:
             raise DataError(f"synthetic:chains: chains={self.chains} must be 1 … 10 (each chain has its own digit)")
         if self.examples < 1:
             raise DataError(f"synthetic:chains: examples={self.examples} must be >= 1")
+        if self.queries < 1:
+            raise DataError(f"synthetic:chains: queries={self.queries} must be >= 1")
         self.check_hops(hi)
 
     def check_hops(self, hops: int) -> None:
@@ -93,12 +103,18 @@ class ChainsTask:
         query = rng.randrange(self.chains)
         prompt = " ; ".join(f"{left} = {right}" for left, right in bindings)
         prompt += f" ; ? {names[query * k + k - 1]} ="
-        return ProbeExample(prompt, f" {digits[query]}", k)
+        more = ""
+        if self.queries > 1:  # drawn after everything above, so queries=1 gives the same examples as before
+            others = [i for i in range(self.chains * k) if i != query * k + k - 1]
+            for i in rng.sample(others, min(self.queries, self.chains * k) - 1):
+                more += f" ; ? {names[i]} = {digits[i // k]}"
+        return ProbeExample(prompt, f" {digits[query]}", k, more)
 
     def documents(self) -> Iterator[str]:
         """The training corpus: one example a document (the tokenizer's EOS closes each)."""
         for index in range(self.examples):
-            yield self.example("train", index).text
+            ex = self.example("train", index)
+            yield ex.text + ex.more
 
     def validation(self, hops: int, count: int) -> list[ProbeExample]:
         """`count` held-out examples at exactly `hops` (none of whose prompts is in the training corpus)."""
@@ -160,7 +176,7 @@ def _range(value: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-_OPTIONS = {"hops": _range, "chains": int, "examples": int, "seed": int}
+_OPTIONS = {"hops": _range, "chains": int, "examples": int, "seed": int, "queries": int}
 
 
 def parse_synthetic(spec: str) -> ChainsTask:
