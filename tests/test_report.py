@@ -13,7 +13,8 @@ MODEL = dict(hidden_size=64, num_attention_heads=4, vocab_size=300, max_sequence
              core_layers=1, coda_layers=1, recurrences=3, add_bias_linear=False)
 
 
-def fake_run(path, cell, seed, valid, sweep=None, comparison="isoflops", model=None, valid_extra=None):
+def fake_run(path, cell, seed, valid, sweep=None, comparison="isoflops", model=None, valid_extra=None,
+             sweep_extra=None):
     path.mkdir(parents=True)
     model = {**MODEL, **(model or {})}
     (path / "run_info.json").write_text(json.dumps({
@@ -28,7 +29,8 @@ def fake_run(path, cell, seed, valid, sweep=None, comparison="isoflops", model=N
         lines.append({"step": 10 * step, "split": "valid", "loss": loss, "gate_mean_r1": 0.9 + 0.01 * seed,
                       "relative_update_r1": 0.5, **(valid_extra(step, loss) if valid_extra else {})})
     for r, loss in (sweep or {}).items():
-        lines.append({"step": 10 * len(valid), "split": "depth_sweep", "recurrences": r, "loss": loss})
+        lines.append({"step": 10 * len(valid), "split": "depth_sweep", "recurrences": r, "loss": loss,
+                      **(sweep_extra(r) if sweep_extra else {})})
     (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
@@ -97,6 +99,37 @@ def test_report_shows_mor_under_both_routings(tmp_path):
     assert "## MoR: routing at evaluation" in report
     assert "| mor | 4.0000 ± 0.0000 | 3.6000 ± 0.1414 | 1.00 | 0.70 |" in report
     assert "| grt | 4.1000 |" not in report.split("## MoR")[1]
+
+
+def _probe(acc1, acc4):
+    return {"probe_accuracy_k1": acc1, "probe_answer_nll_k1": 1.0 - acc1, "probe_prompt_loss_k1": 2.0,
+            "probe_accuracy_k4": acc4, "probe_answer_nll_k4": 2.0 - acc4, "probe_prompt_loss_k4": 2.1}
+
+
+def test_report_shows_the_depth_probe_by_k_and_by_r(tmp_path):
+    # The last evaluation counts (not the best): step 3's values.
+    for seed, last in ((1, (0.9, 0.5)), (2, (0.8, 0.3))):
+        fake_run(tmp_path / f"runs/grt/s{seed}", "grt", seed, [5.0, 4.0, 4.1], {1: 4.5, 2: 4.1, 3: 4.0},
+                 valid_extra=lambda step, loss, last=last: _probe(*last) if step == 3 else _probe(0.1, 0.0),
+                 sweep_extra=lambda r, seed=seed: _probe(0.2 * r, 0.1 * r + 0.01 * seed))
+        fake_run(tmp_path / f"runs/dense/s{seed}", "dense", seed, [5.1, 4.5, 4.3], comparison="both",
+                 model=dict(prelude_layers=0, core_layers=5, coda_layers=0, recurrences=1, gate="none",
+                            injection="none"), valid_extra=lambda step, loss: _probe(0.6, 0.1))
+    out = tmp_path / "report"
+    rows = {r["cell"]: r for r in write_report(find_runs([tmp_path / "runs"]), out, "test")}
+    assert rows["grt"]["probe"]["probe_accuracy_k4"] == (pytest.approx(0.4), pytest.approx(statistics.stdev([0.5, 0.3])))
+    assert rows["grt"]["probe"]["probe_answer_nll_k1"][0] == pytest.approx(0.15)
+    assert rows["grt"]["probe_sweep"][3]["probe_accuracy_k4"] == pytest.approx(0.315)  # 0.31 and 0.32
+    assert rows["dense"]["probe_sweep"] == {}
+    report = (out / "report.md").read_text()
+    assert "## Depth probe" in report and "| cell | shape | seeds | k=1 | k=4 |" in report
+    assert "| grt | 1+1x3+1 | 2 | 0.8500 ± 0.0707 (0.15) | 0.4000 ± 0.1414 (1.60) |" in report
+    assert report.index("| grt | 1+1x3+1 | 2 |") < report.index("| dense | 1+1x3+1 | 2 |")  # by accuracy at k=4
+    assert "| grt | 4 | 0.115 | 0.215 | **0.315** |" in report
+    for png in ("probe_accuracy.png", "probe_vs_r.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    write_report(find_runs([tmp_path / "runs/dense"]), out, "test")  # no sweep: no stale plot kept
+    assert (out / "probe_accuracy.png").exists() and not (out / "probe_vs_r.png").exists()
 
 
 def test_report_names_the_bad_file(tmp_path):

@@ -48,6 +48,10 @@ class Run:
     other_routing: dict[str, float] = field(default_factory=dict)
     """MoR: the best validation loss under its other evaluation routing (`loss_topk_routing` or
     `loss_threshold_routing`), besides `loss` under the run's own."""
+    probe: dict[str, float] = field(default_factory=dict)
+    """The depth probe at the last evaluation (`probe_accuracy_kK`, `probe_answer_nll_kK`, ...)."""
+    probe_sweep: dict[int, dict[str, float]] = field(default_factory=dict)
+    """The depth probe by inference R (the depth sweep)."""
 
     @property
     def best_valid(self) -> float:
@@ -108,7 +112,7 @@ def load_run(path: Path) -> Optional[Run]:
     seq_len = (config.get("train") or {}).get("seq_length") or model.get("max_sequence_length", 1024)
     tokens_per_step = None
     train, valid, sweep, executed, diagnostics, other_routing = [], [], {}, [], {}, {}
-    exit_rule = None
+    exit_rule, probe, probe_sweep = None, {}, {}
     for r in records:
         split = r.get("split", "train")
         if split == "train" and "loss" in r:
@@ -122,6 +126,7 @@ def load_run(path: Path) -> Optional[Run]:
             valid.append((int(r["step"]), _number(r["loss"])))
             diagnostics = {k: _number(v) for k, v in r.items()
                            if k.startswith(("gate_mean_r", "relative_update_r", "active_fraction_r", "exit_"))}
+            probe = {k: _number(v) for k, v in r.items() if k.startswith("probe_")}
             if r.get("loss_exit_rule") is not None:
                 exit_rule = min(_number(r["loss_exit_rule"]), math.inf if exit_rule is None else exit_rule)
             for k, v in r.items():
@@ -129,6 +134,8 @@ def load_run(path: Path) -> Optional[Run]:
                     other_routing[k] = min(_number(v), other_routing.get(k, math.inf))
         elif split == "depth_sweep":
             sweep[int(r["recurrences"])] = _number(r["loss"])
+            if any(k.startswith("probe_") for k in r):
+                probe_sweep[int(r["recurrences"])] = {k: _number(v) for k, v in r.items() if k.startswith("probe_")}
     if not valid:
         return None
     tokens_per_step = tokens_per_step or 0
@@ -142,7 +149,8 @@ def load_run(path: Path) -> Optional[Run]:
         flops_executed=statistics.fmean(executed) if executed else float("nan"),
         tokens=train[-1][0] if train else 0, steps=max(int(r["step"]) for r in records),
         valid=[(step * tokens_per_step, loss) for step, loss in valid], train=train, depth_sweep=sweep,
-        diagnostics=diagnostics, other_routing=other_routing, exit_rule=exit_rule, finished=max(int(r["step"]) for r in records) >= int(
+        diagnostics=diagnostics, other_routing=other_routing, exit_rule=exit_rule, probe=probe,
+        probe_sweep=probe_sweep, finished=max(int(r["step"]) for r in records) >= int(
             (config.get("train") or {}).get("iters", 0)),
     )
 

@@ -99,6 +99,7 @@ def markdown(rows: list[dict], command: str) -> str:
             lines.append(f"| {r['cell']} | {fmt_mean_std(r['best_valid_mean'], r['best_valid_std'])} | "
                          + " | ".join(others + active) + " |")
     lines += _exit_table(rows)
+    lines += _probe_tables(rows)
     vs_grt = [r for r in rows if r["delta_vs_grt_seeds"]]
     if vs_grt:
         lines += ["", "## Ablations and baselines vs the GRT", "",
@@ -116,6 +117,10 @@ def markdown(rows: list[dict], command: str) -> str:
         lines += ["![difference to dense, seed by seed](delta_vs_dense.png)", ""]
     if swept:
         lines += ["![loss vs R at inference](loss_vs_r.png)", ""]
+    if any(r.get("probe") for r in rows):
+        lines += ["![depth probe: accuracy vs k](probe_accuracy.png)", ""]
+    if any(len(r.get("probe_sweep") or {}) > 1 for r in rows):
+        lines += ["![depth probe: accuracy vs R at inference](probe_vs_r.png)", ""]
     return "\n".join(lines)
 
 
@@ -140,4 +145,47 @@ def _exit_table(rows: list[dict]) -> list[str]:
         mean_step = f"{d['exit_mean_step']:.2f}" if "exit_mean_step" in d else ""
         lines.append(f"| {cell_label(r)} | {fmt_mean_std(r['best_valid_mean'], r['best_valid_std'])} | "
                      f"{fmt_mean_std(*r['exit_rule'])} | {mean_step} | " + " | ".join(per_step) + " |")
+    return lines
+
+
+def probe_hops_of(rows: list[dict]) -> list[int]:
+    """The k values every probed cell scored."""
+    probed = [r for r in rows if r.get("probe")]
+    keys = set.intersection(*(set(r["probe"]) for r in probed)) if probed else set()
+    return sorted(int(k.rsplit("_k", 1)[1]) for k in keys if k.startswith("probe_accuracy_k"))
+
+
+def _probe_tables(rows: list[dict]) -> list[str]:
+    """The depth probe (training/probe.py): answer accuracy and nll per k at the last evaluation, and the
+    accuracy by inference R."""
+    hops = probe_hops_of(rows)
+    probed = [r for r in rows if r.get("probe")]
+    if not hops:
+        return []
+    lines = ["", "## Depth probe", "",
+             "Held-out examples of the synthetic task at each k (the number of dependent lookups the answer "
+             "takes), at the last evaluation: exact-match accuracy of the answer (mean ± std over seeds) and, in "
+             "brackets, the answer's nll in nats (mean). Cells in order of accuracy at the largest k.", "",
+             "| cell | shape | seeds | " + " | ".join(f"k={k}" for k in hops) + " |", "|---|---|---:|" + "---:|" * len(hops)]
+    top = f"probe_accuracy_k{hops[-1]}"
+    for r in sorted(probed, key=lambda r: -r["probe"][top][0]):
+        cells = [f"{fmt_mean_std(*r['probe'][f'probe_accuracy_k{k}'])} ({r['probe'][f'probe_answer_nll_k{k}'][0]:.2f})"
+                 for k in hops]
+        lines.append(f"| {cell_label(r)} | {r['shape']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
+    swept = [r for r in probed if len(r.get("probe_sweep") or {}) > 1]
+    if swept:
+        depth = max(int(d) for r in swept for d in r["probe_sweep"])
+        lines += ["", "### Depth probe vs recurrences at inference", "",
+                  "Answer accuracy when the trained model runs R recurrences (mean over seeds); **bold** is the "
+                  "trained R.", "", "| cell | k | " + " | ".join(f"R={d}" for d in range(1, depth + 1)) + " |",
+                  "|---|---:|" + "---:|" * depth]
+        for r in swept:
+            sweep = {int(d): v for d, v in r["probe_sweep"].items()}
+            for k in hops:
+                cells = []
+                for d in range(1, depth + 1):
+                    v = sweep.get(d, {}).get(f"probe_accuracy_k{k}")
+                    text = "" if v is None else f"{v:.3f}"
+                    cells.append(f"**{text}**" if d == r["recurrences"] and text else text)
+                lines.append(f"| {r['cell']} | {k} | " + " | ".join(cells) + " |")
     return lines

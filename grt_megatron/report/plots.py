@@ -7,7 +7,7 @@ from pathlib import Path
 
 from grt_megatron.files import write_atomic
 from grt_megatron.report.load import Run
-from grt_megatron.report.markdown import cell_label
+from grt_megatron.report.markdown import cell_label, probe_hops_of
 
 
 def _pyplot():
@@ -109,5 +109,57 @@ def plot_delta_vs_dense(rows: list[dict], path: Path) -> bool:
     ax.set_xlabel("best validation loss − dense's, same seed\n(nats/token; dots: seeds, bar: their mean)")
     ax.set_title("Δ vs dense (left of 0: better than dense)")
     ax.grid(alpha=0.3, axis="x")
+    _save_figure(fig, path)
+    return True
+
+
+def plot_probe_accuracy(rows: list[dict], path: Path) -> bool:
+    """The depth probe's answer accuracy vs k per cell (mean, bars: std over seeds)."""
+    hops = probe_hops_of(rows)
+    if not hops:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if not r.get("probe"):
+            continue
+        means = [r["probe"][f"probe_accuracy_k{k}"][0] for k in hops]
+        stds = [r["probe"][f"probe_accuracy_k{k}"][1] for k in hops]
+        stds = [0.0 if s != s else s for s in stds]  # one seed: no spread
+        ax.errorbar(hops, means, yerr=stds, marker="o", markersize=3, capsize=3, label=cell_label(r))
+    ax.set_xticks(hops)
+    ax.set_xlabel("k (dependent lookups the answer takes)")
+    ax.set_ylabel("answer accuracy (exact match)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("depth probe at the last evaluation")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save_figure(fig, path)
+    return True
+
+
+def plot_probe_vs_r(rows: list[dict], path: Path) -> bool:
+    """The depth probe's accuracy vs R at inference, one panel per k."""
+    hops = probe_hops_of(rows)
+    swept = [r for r in rows if len(r.get("probe_sweep") or {}) > 1]
+    if not hops or not swept:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(hops), figsize=(3.6 * len(hops), 3.8), squeeze=False, sharey=True)
+    for ax, k in zip(axes[0], hops):
+        for r in swept:
+            sweep = {int(d): v for d, v in r["probe_sweep"].items() if f"probe_accuracy_k{k}" in v}
+            ds = sorted(sweep)
+            line, = ax.plot(ds, [sweep[d][f"probe_accuracy_k{k}"] for d in ds], marker="o", markersize=3,
+                            label=r["cell"])
+            if r["recurrences"] in sweep:
+                ax.plot([r["recurrences"]], [sweep[r["recurrences"]][f"probe_accuracy_k{k}"]], marker="*",
+                        markersize=11, color=line.get_color())
+        ax.set_title(f"k = {k}")
+        ax.set_xlabel("R at inference (★ trained)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("answer accuracy")
+    axes[0][-1].legend(fontsize=7)
     _save_figure(fig, path)
     return True

@@ -39,12 +39,22 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                               for k in sorted(set.intersection(*(set(r.other_routing) for r in group)))},
             "exit_rule": (_mean_std([r.exit_rule for r in group])
                           if all(r.exit_rule is not None for r in group) else None),
+            "probe": {k: _mean_std([r.probe[k] for r in group])
+                      for k in sorted(set.intersection(*(set(r.probe) for r in group)))},
+            "probe_sweep": _probe_sweep(group),
             "runs": [str(r.path) for r in group],
         })
     _paired_with_dense(rows, cells)
     _paired_with_grt(rows, cells)
     rows.sort(key=lambda row: (row["budget"], row["best_valid_mean"]))
     return rows
+
+
+def _probe_sweep(group: list[Run]) -> dict[int, dict[str, float]]:
+    """The depth probe by inference R, mean over the seeds, at the R every seed swept."""
+    depths = sorted(set.intersection(*(set(r.probe_sweep) for r in group)))
+    return {d: {k: statistics.fmean(r.probe_sweep[d][k] for r in group)
+                for k in sorted(set.intersection(*(set(r.probe_sweep[d]) for r in group)))} for d in depths}
 
 
 def _paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
