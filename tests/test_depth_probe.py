@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, read_jsonl, run_cli, run_prepare
 
 from grt_megatron.data import DataError, load_tokenizer
-from grt_megatron.data.synthetic import ChainsTask, parse_synthetic, probe_hops, resolve_task
+from grt_megatron.data.synthetic import ChainsTask, check_probe_corpus, parse_synthetic, probe_hops, resolve_task
 
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
 
@@ -112,6 +112,9 @@ def test_prepare_writes_the_task_and_the_prefix_names_it(pydoc_prefix, tmp_path)
                        "--output-prefix", str(tmp_path / "bad"), "--no-progress"])
     assert bad.returncode != 0 and "unknown synthetic task 'chainz'" in bad.stderr
     assert not list(tmp_path.glob("bad*"))
+    check_probe_corpus(parse_synthetic(spec), [str(pydoc_prefix[0]), str(tmp_path / "chains")])  # they agree
+    with pytest.raises(DataError, match=re.escape(f"differs from the task {tmp_path / 'chains'} was prepared from")):
+        check_probe_corpus(parse_synthetic("synthetic:chains:hops=1-3,examples=500"), [str(tmp_path / "chains")])
     with pytest.raises(DataError, match="not from exactly one synthetic task"):
         resolve_task(str(pydoc_prefix[0]))
     with pytest.raises(DataError, match="neither a synthetic:NAME"):

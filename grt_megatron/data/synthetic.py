@@ -152,6 +152,31 @@ def resolve_task(value: str) -> ChainsTask:
     return parse_synthetic(specs[0])
 
 
+def synthetic_spec_of_prefix(prefix: str) -> str | None:
+    """The synthetic spec a prepared prefix was made from alone, if it was (None for any other corpus)."""
+    meta = Path(f"{prefix}.meta.json")
+    try:
+        inputs = json.loads(meta.read_text())["inputs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    specs = [i for i in inputs if isinstance(i, str) and i.startswith(SYNTHETIC_PREFIX)]
+    return specs[0] if len(specs) == 1 == len(inputs) else None
+
+
+def check_probe_corpus(task: ChainsTask, prefixes) -> None:
+    """Refuse a probe whose task has the name of a training corpus's synthetic task but other options: its
+    held-out examples would be held out from another corpus than the one trained on (or from none)."""
+    for prefix in prefixes:
+        spec = synthetic_spec_of_prefix(prefix)
+        if spec is None:
+            continue
+        corpus = parse_synthetic(spec)
+        if corpus.name == task.name and corpus != task:
+            raise DataError(f"probe.task {task} differs from the task {prefix} was prepared from ({spec}): the "
+                            f"probe's examples are held out from the corpus trained on only when they agree; "
+                            f"set probe.task={prefix}")
+
+
 def probe_hops(task: ChainsTask, requested=()) -> list[int]:
     """The k values a probe scores: `requested`, or the training range and twice its top (length
     generalisation), each checked against the task."""

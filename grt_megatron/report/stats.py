@@ -59,9 +59,11 @@ def _probe_sweep(group: list[Run]) -> dict[int, dict[str, float]]:
 
 def _paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
     """Best validation loss minus the dense cell's (same scale and budget), seed by seed: the seed fixes the
-    data order (and, where `data.valid_seed` is unset, the validation windows) for both runs."""
-    _paired(rows, cells, "delta_vs_dense", lambda run: run.variant == "dense", lambda run: (run.scale,),
-            pair_reference=True)
+    data order (and, where `data.valid_seed` is unset, the validation windows) for both runs. The reference
+    is the dense cell of comparison `both`; other dense cells of the scale (the probe's depth curve, dense 3
+    and 12) are compared with it like any other cell."""
+    _paired(rows, cells, "delta_vs_dense", lambda run: run.variant == "dense" and run.comparison == "both",
+            lambda run: (run.scale,), pair_reference=True)
 
 
 def _paired_with_grt(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:

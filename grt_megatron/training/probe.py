@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from grt_megatron.data.synthetic import probe_hops, resolve_task
+from grt_megatron.data.synthetic import check_probe_corpus, probe_hops, resolve_task
 from grt_megatron.device import device_tensor, device_zeros
 from grt_megatron.model import ConfigError
 
@@ -62,8 +62,9 @@ def encode_probe_set(examples, tokenizer, seq_length: int, hops: int, pad_multip
 class DepthProbe:
     """The probe sets of `probe.task` at each of `probe.hops`, and their metrics for a model."""
 
-    def __init__(self, cfg, tokenizer, seq_length: int, pad_multiple: int = 1):
+    def __init__(self, cfg, tokenizer, seq_length: int, pad_multiple: int = 1, prefixes=()):
         task = resolve_task(cfg.task)
+        check_probe_corpus(task, prefixes)
         hops = probe_hops(task, cfg.hops)
         self.sets = [encode_probe_set(task.validation(k, cfg.examples), tokenizer, seq_length, k, pad_multiple)
                      for k in hops]

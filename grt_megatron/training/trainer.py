@@ -187,7 +187,8 @@ class Trainer:
         probe = None
         if cfg.probe.task is not None:
             pad = cfg.parallel.tp if cfg.parallel.sp else 1  # sequence parallelism splits the sequence over TP
-            probe = DepthProbe(cfg.probe, self.tokenizer, self.seq_length, pad_multiple=pad)
+            probe = DepthProbe(cfg.probe, self.tokenizer, self.seq_length, pad_multiple=pad,
+                               prefixes=self.data.prefixes)
         self.evaluator = Evaluator(self.runner, self.model_config, self.data.valid_rows, self.logger,
                                    self.seq_length, cfg.logging.progress, probe)
         if info.is_main and job:
