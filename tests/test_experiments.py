@@ -20,14 +20,14 @@ CELLS = sorted(str(p.relative_to(REPO / "recipes/experiment").with_suffix(""))
 def test_every_cell_composes_into_a_valid_run():
     from grt_megatron.training.config import build_run_config
 
-    assert len(CELLS) >= 3 * 7 + 7  # small/medium/large × 7, and the CPU grid with its ablations
+    assert len(CELLS) >= 3 * 7 + 7 + 13  # small/medium/large × 7, the CPU grid with its ablations, the probe
     dirs = set()
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
         for cell in CELLS:
             cfg = build_run_config(compose("train", overrides=[f"experiment={cell}", "seed=3",
                                                                  "experiment.budget=0.5"]))
             assert cfg.experiment.name == cell, f"{cell}: experiment.name is {cfg.experiment.name}"
-            base = 2450 if cell.startswith("cpu/") else 20000
+            base = {"cpu": 2450, "probe": 3000}.get(cell.split("/")[0], 20000)
             assert cfg.train.iters == round(base * 0.5)
             assert cfg.run.dir == f"runs/experiments/{cell}/budget0.5/seed3"
             dirs.add(cfg.run.dir)
