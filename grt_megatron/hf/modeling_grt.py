@@ -397,20 +397,15 @@ class GRTModel(GRTPreTrainedModel):
         if cache is not None and average:
             cache.commit()
         state = state.to(h_pre.dtype)
-        if step_outputs is not None:
+        if step_outputs is not None:  # Ouro: each token's exit step's output, no coda
             out, ran = self._exit(step_outputs, exit_rule)
-            if hidden:
-                states[-1] = out
-            self.last_recurrences = ran
-            output = BaseModelOutputWithPast(last_hidden_state=out, cache=cache,
-                                             hidden_states=tuple(states) if hidden else None)
-            return output if return_dict else output.to_tuple()
-        for c in range(cfg.coda_layers):
-            state = self._run(p + k + c, state, mask, rope, cache, self.slot("coda", c, 0, recurrences, average),
-                              "write")
-            if hidden:
-                states.append(state)
-        out = self.norm(state)
+        else:
+            for c in range(cfg.coda_layers):
+                state = self._run(p + k + c, state, mask, rope, cache,
+                                  self.slot("coda", c, 0, recurrences, average), "write")
+                if hidden:
+                    states.append(state)
+            out = self.norm(state)
         if hidden:
             states[-1] = out
         self.last_recurrences = ran
