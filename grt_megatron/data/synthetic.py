@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from grt_megatron.data.sources import DataError
+from grt_megatron.data.sources import SYNTHETIC, DataError
 
-SYNTHETIC_PREFIX = "synthetic:"
 VARIABLES = string.ascii_lowercase + string.ascii_uppercase
 
 
@@ -136,30 +135,33 @@ class ChainsTask:
 def resolve_task(value: str) -> ChainsTask:
     """A task from a spec (`synthetic:chains:...`) or from a prefix grt-prepare-data wrote from one (its
     `PREFIX.meta.json` names the spec, so the probe and the corpus cannot disagree on the options)."""
-    if value.startswith(SYNTHETIC_PREFIX):
+    if value.startswith(SYNTHETIC):
         return parse_synthetic(value)
     meta = Path(f"{value}.meta.json")
     if not meta.is_file():
         raise DataError(f"{value!r} is neither a synthetic:NAME[:options] spec nor a prepared prefix "
                         f"({meta} does not exist)")
-    try:
-        inputs = json.loads(meta.read_text())["inputs"]
-    except (ValueError, KeyError, TypeError):
-        raise DataError(f"{meta}: not a grt-prepare-data meta file (no inputs list)") from None
-    specs = [i for i in inputs if isinstance(i, str) and i.startswith(SYNTHETIC_PREFIX)]
+    inputs, specs = _prefix_inputs(meta)
     if len(specs) != 1:
         raise DataError(f"{meta}: the prefix was prepared from {inputs}, not from exactly one synthetic task")
     return parse_synthetic(specs[0])
 
 
-def synthetic_spec_of_prefix(prefix: str) -> str | None:
-    """The synthetic spec a prepared prefix was made from alone, if it was (None for any other corpus)."""
-    meta = Path(f"{prefix}.meta.json")
+def _prefix_inputs(meta: Path) -> tuple[list, list[str]]:
+    """A prefix's `meta.json` inputs, and those of them that are synthetic specs."""
     try:
         inputs = json.loads(meta.read_text())["inputs"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{meta}: not a grt-prepare-data meta file (no inputs list)") from None
+    return inputs, [i for i in inputs if isinstance(i, str) and i.startswith(SYNTHETIC)]
+
+
+def synthetic_spec_of_prefix(prefix: str) -> str | None:
+    """The synthetic spec a prepared prefix was made from alone, if it was (None for any other corpus)."""
+    try:
+        inputs, specs = _prefix_inputs(Path(f"{prefix}.meta.json"))
+    except (OSError, DataError):
         return None
-    specs = [i for i in inputs if isinstance(i, str) and i.startswith(SYNTHETIC_PREFIX)]
     return specs[0] if len(specs) == 1 == len(inputs) else None
 
 
@@ -207,7 +209,7 @@ _OPTIONS = {"hops": _range, "chains": int, "examples": int, "seed": int, "querie
 def parse_synthetic(spec: str) -> ChainsTask:
     """`synthetic:NAME[:key=value,...]` (the `synthetic:` prefix optional) -> the task. Bad names, options or
     values raise DataError naming them."""
-    body = spec[len(SYNTHETIC_PREFIX):] if spec.startswith(SYNTHETIC_PREFIX) else spec
+    body = spec[len(SYNTHETIC):] if spec.startswith(SYNTHETIC) else spec
     name, _, options = body.partition(":")
     if name not in TASKS:
         raise DataError(f"input {spec!r}: unknown synthetic task {name!r} (known: {', '.join(sorted(TASKS))})")

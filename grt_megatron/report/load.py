@@ -93,6 +93,11 @@ def _read_metrics(path: Path) -> list[dict]:
     return records
 
 
+def _probe_metrics(record: dict) -> dict[str, float]:
+    """An evaluation record's depth-probe metrics (training/probe.py); empty without a probe."""
+    return {k: _number(v) for k, v in record.items() if k.startswith("probe_")}
+
+
 def _flops(model: dict, seq_len: int) -> float:
     from grt_megatron.model import GRTConfig, forward_flops_per_token
 
@@ -126,7 +131,7 @@ def load_run(path: Path) -> Optional[Run]:
             valid.append((int(r["step"]), _number(r["loss"])))
             diagnostics = {k: _number(v) for k, v in r.items()
                            if k.startswith(("gate_mean_r", "relative_update_r", "active_fraction_r", "exit_"))}
-            probe = {k: _number(v) for k, v in r.items() if k.startswith("probe_")}
+            probe = _probe_metrics(r)
             if r.get("loss_exit_rule") is not None:
                 exit_rule = min(_number(r["loss_exit_rule"]), math.inf if exit_rule is None else exit_rule)
             for k, v in r.items():
@@ -134,8 +139,8 @@ def load_run(path: Path) -> Optional[Run]:
                     other_routing[k] = min(_number(v), other_routing.get(k, math.inf))
         elif split == "depth_sweep":
             sweep[int(r["recurrences"])] = _number(r["loss"])
-            if any(k.startswith("probe_") for k in r):
-                probe_sweep[int(r["recurrences"])] = {k: _number(v) for k, v in r.items() if k.startswith("probe_")}
+            if probe_at_r := _probe_metrics(r):
+                probe_sweep[int(r["recurrences"])] = probe_at_r
     if not valid:
         return None
     tokens_per_step = tokens_per_step or 0
