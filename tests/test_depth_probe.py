@@ -243,3 +243,81 @@ def test_probe_settings_are_checked_with_the_run(pydoc_prefix):
             build(*overrides)
     with pytest.raises(ConfigError, match=re.escape("probe.task is not supported with parallel.pp > 1")):
         build("probe.task='synthetic:chains'", "parallel.pp=2", "deepspeed.zero_stage=1", world_size=2)
+
+
+def test_answer_mask_marks_exactly_the_answers_of_documents_that_start_in_the_row(pydoc_prefix):
+    from grt_megatron.data.synthetic import answer_token_mask
+
+    tok = load_tokenizer(f"{pydoc_prefix[0]}.tokenizer.model")
+    task = parse_synthetic("synthetic:chains:hops=1-3,examples=100,queries=4")
+    docs = [task.example("train", i) for i in range(6)]
+    ids, answers = [], []
+    for ex in docs:
+        ids += tok.encode(ex.text + ex.more) + [tok.eos_id]
+        # every query's digit: the scored one, then those of `more`
+        answers.append([ex.answer.strip(), *re.findall(r"\? \S+ = (\d)", ex.more)])
+    cut = 5  # the row starts inside the first document: its answers are not scored
+    row = np.array([ids[cut:]])
+    mask = answer_token_mask(row, tok.token_texts(), tok.eos_id, task.answer_pattern)
+    assert mask.shape == (1, row.shape[1] - 1) and set(np.unique(mask)) <= {0.0, 1.0}
+    marked = "".join(tok.decode([int(row[0, t + 1])]) for t in np.flatnonzero(mask[0]))
+    assert marked == "".join(d for doc in answers[1:] for d in doc)  # every answer after the first document
+    # each marked label is the token right after its query's " =": the mask lines up with the labels
+    for t in np.flatnonzero(mask[0]):
+        assert tok.decode([int(i) for i in row[0, : t + 1]]).rstrip().endswith("=")
+    # a row without a document start scores nothing
+    assert answer_token_mask(row[:, :20], tok.token_texts(), tok.eos_id, task.answer_pattern).sum() == 0
+
+
+def test_answer_loss_trains_equal_in_one_process_dp2_and_accumulation(pydoc_prefix, tmp_path):
+    prefix = tmp_path / "chains"
+    proc = run_prepare(["--input", "synthetic:chains:hops=1-2,examples=2000,queries=4", "--tokenizer",
+                        f"{pydoc_prefix[0]}.tokenizer.model", "--output-prefix", str(prefix), "--no-progress"])
+    assert proc.returncode == 0, proc.stderr
+    common = ["model=tiny", "data=indexed", f"data.prefixes=[{prefix}]", f"data.tokenizer={pydoc_prefix[0]}.tokenizer.model",
+              "train.iters=3", "train.eval_interval=3",
+              "train.eval_iters=1", "train.global_batch_size=4", "train.depth_sweep=null", *QUIET]
+    runs = {}
+    for name, extra, launcher in (
+            ("all", ["train.micro_batch_size=4"], None),
+            ("one", ["train.micro_batch_size=4", "data.loss_on=answers"], None),
+            ("accumulated", ["train.micro_batch_size=1", "data.loss_on=answers"], None),
+            ("dp2", ["train.micro_batch_size=1", "data.loss_on=answers"],
+             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29873"])):
+        run_dir = tmp_path / name
+        proc = run_cli([*common, *extra, f"run.dir={run_dir}"], launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = read_jsonl(run_dir / "metrics.jsonl")
+
+    def losses(name):
+        return [r["loss"] for r in runs[name] if "split" not in r or r["split"] == "valid"]
+
+    # micro-batches hold different numbers of answers: only a mean over the global batch's answers makes the
+    # layouts agree (a mean per micro-batch would not)
+    for name in ("accumulated", "dp2"):
+        assert losses(name) == pytest.approx(losses("one"), rel=1e-5), name
+    # the answer tokens' loss is another number than every token's, in training and validation
+    assert all(abs(a - b) > 1e-3 for a, b in zip(losses("one"), losses("all")))
+
+
+def test_answer_loss_is_refused_where_answers_are_unknown(pydoc_prefix, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from grt_megatron.model import ConfigError
+    from grt_megatron.training.config import build_run_config
+
+    proc = run_cli(["model=tiny", "data=indexed", f"data.prefixes=[{pydoc_prefix[0]}]", "data.loss_on=answers",
+                    "train.iters=1", f"run.dir={tmp_path / 'books'}", *QUIET])
+    assert proc.returncode != 0
+    assert f"data.loss_on=answers: {pydoc_prefix[0]} was not prepared from a synthetic task alone" in proc.stderr
+
+    def build(*overrides, world_size=1):
+        with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+            cfg = compose("train", overrides=["model=tiny", "data=indexed", f"data.prefixes=[{pydoc_prefix[0]}]",
+                                              *overrides])
+        return build_run_config(cfg, world_size=world_size)
+
+    with pytest.raises(ConfigError, match=re.escape("data.loss_on='prompts' is not one of all, answers")):
+        build("data.loss_on=prompts")
+    with pytest.raises(ConfigError, match=re.escape("data.loss_on=answers is not supported with parallel.pp > 1")):
+        build("data.loss_on=answers", "parallel.pp=2", "deepspeed.zero_stage=1", world_size=2)

@@ -28,10 +28,13 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
+
+import numpy as np
 
 from grt_megatron.data.sources import SYNTHETIC, DataError
 
@@ -68,6 +71,9 @@ class ChainsTask:
     seed: int = 0
     queries: int = 1
     name = "chains"
+    answer_pattern = re.compile(r"\?\s*\S+?\s*=\s*(\d+)")
+    """Group 1 is an answer (a query's digit), in any document of the task, whatever the tokenizer kept of the
+    spaces (the `data.loss_on=answers` mask)."""
 
     def __post_init__(self) -> None:
         lo, hi = self.hops
@@ -193,6 +199,27 @@ def probe_hops(task: ChainsTask, requested=()) -> list[int]:
 def _training_prompts(task: ChainsTask) -> frozenset[str]:
     """The training corpus's prompts (about 7 s for 50,000 examples: once per task, not per k)."""
     return frozenset(task.example("train", i).prompt for i in range(task.examples))
+
+
+def answer_token_mask(rows: np.ndarray, token_texts: Sequence[str], eos_id: int, pattern: re.Pattern) -> np.ndarray:
+    """rows [n, s + 1] of token ids (inputs and the next token) -> [n, s] float32 weights of the label
+    positions: 1 where the label is a token of an answer (`pattern`'s group 1) of a document that starts in
+    the row, else 0. The row's first document is left out: it starts before the row, so its queries may
+    have lost the bindings that answer them (a loss on those would be noise)."""
+    n, width = rows.shape
+    out = np.zeros((n, width - 1), dtype=np.float32)
+    for i, row in enumerate(rows):
+        starts = np.flatnonzero(row == eos_id) + 1
+        for a, b in zip(starts, [*starts[1:], width]):
+            texts = [token_texts[t] for t in row[a:b]]
+            ends = np.cumsum([len(t) for t in texts])
+            begins = ends - [len(t) for t in texts]
+            text = "".join(texts)
+            for match in pattern.finditer(text):
+                lo, hi = match.span(1)
+                hit = np.flatnonzero((begins < hi) & (ends > lo))
+                out[i, a + hit - 1] = 1.0  # label position t predicts token t + 1
+    return out
 
 
 TASKS = {"chains": ChainsTask}

@@ -54,6 +54,11 @@ class Tokenizer(ABC):
     def save(self, path: str | os.PathLike) -> Path:
         """Write the tokenizer so that `load_tokenizer(returned path)` gives it back."""
 
+    def token_texts(self) -> list[str]:
+        """Each id's text decoded alone (spaces a tokenizer attaches to a piece may be dropped): what lets a
+        rule written for text find its tokens in a row of ids (the answer-token loss mask, synthetic.py)."""
+        return [self.decode([i]) for i in range(self.vocab_size)]
+
     def describe(self) -> dict:
         return {"kind": type(self).__name__, "source": self.source, "vocab_size": self.vocab_size,
                 "eos_id": self.eos_id, "sha256": self.identity}

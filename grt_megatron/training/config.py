@@ -119,6 +119,11 @@ class DataConfig:
     on_decode_error: str = "fail"
     cache_dir: Optional[str] = None
     """Where megatron writes its dataset indices (default `{run.dir}/data/cache`)."""
+    loss_on: str = "all"
+    """`all`: the loss of every token (language modelling). `answers`: only the answer tokens of a synthetic
+    task's documents (every prefix prepared from one, data/synthetic.py), as algorithmic tasks are trained:
+    the prompts' random bindings are noise that would dominate the loss. Validation loss then means the
+    answer tokens' too; a row's first document (cut by the window) is not scored."""
     train_samples: Optional[int] = None
     """Size of the training sample stream (default train.iters × global batch). The data order depends
     on it: keep it when extending a run."""
@@ -268,6 +273,7 @@ _CHOICES = {
     "logging.wandb": ("auto", "online", "offline", "disabled"),
     "data.on_bad_record": ("fail", "skip"),
     "data.on_decode_error": ("fail", "replace"),
+    "data.loss_on": ("all", "answers"),
 }
 
 
@@ -373,6 +379,9 @@ def build_run_config(cfg: DictConfig | dict, world_size: Optional[int] = None) -
     run.validate_layout(world_size_from_env() if world_size is None else world_size)
     run.model_config(vocab_size=run.model.get("vocab_size") or 1)
     check_probe(run)
+    if run.data.loss_on == "answers" and run.parallel.pp > 1:
+        raise ConfigError("data.loss_on=answers is not supported with parallel.pp > 1: the pipeline's last stage "
+                          "computes the mean loss of every token")
     if bool(run.data.source) == bool(run.data.prefixes):
         raise ConfigError("set exactly one of data.source (a raw corpus) and data.prefixes (prepared data)")
     return run

@@ -4,8 +4,10 @@ train/valid GPT datasets, set up identically on every rank."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -15,6 +17,7 @@ from grt_megatron.data import DataError, SourcePolicy, Tokenizer, load_tokenizer
 from grt_megatron.data.gpt_datasets import GPTDatasets, build_gpt_datasets
 from grt_megatron.data.indexed import verify_prefix
 from grt_megatron.data.prepare import prepare_dataset, tokenizer_of_prefix
+from grt_megatron.data.synthetic import answer_token_mask, parse_synthetic, synthetic_spec_of_prefix
 from grt_megatron.distributed import DistributedInfo
 from grt_megatron.model import ConfigError
 from grt_megatron.training.config import RunConfig
@@ -29,6 +32,9 @@ class TrainingData:
     datasets: GPTDatasets
     valid_rows: np.ndarray
     """The fixed evaluation set: eval_iters × global batch validation samples, [n, seq_length + 1]."""
+    loss_mask: Optional[Callable[[np.ndarray], np.ndarray]] = None
+    """rows -> [n, seq_length] weights of the label positions the loss counts (`data.loss_on=answers`);
+    None: every position."""
 
     def train_rows(self, iteration: int, global_batch: int, first: int, count: int) -> np.ndarray:
         """Rows [first, first + count) of iteration's global batch: samples i·G + first ... of the stream."""
@@ -47,7 +53,8 @@ class BatchPrefetcher:
     background thread while the step before runs, so the device never waits for the host to index the
     dataset. On a GPU the rows are pinned, so that the copy to the device can be non-blocking.
 
-    `for iteration, (rows, seeds) in prefetcher:` runs over iterations [start, stop)."""
+    `for iteration, (rows, seeds, weights) in prefetcher:` runs over iterations [start, stop); `weights` are
+    the loss mask's (`data.loss_on=answers`, computed here off the step's path too), else None."""
 
     def __init__(self, data: TrainingData, seed: int, global_batch: int, first_row: int, per_rank: int,
                  start: int, stop: int, pin: bool):
@@ -56,10 +63,14 @@ class BatchPrefetcher:
         self.start, self.stop = start, stop
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prefetch")
 
-    def _load(self, iteration: int) -> tuple[torch.Tensor, list[int]]:
-        rows = torch.from_numpy(self.data.train_rows(iteration, self.global_batch, self.first_row, self.per_rank))
+    def _load(self, iteration: int) -> tuple[torch.Tensor, list[int], Optional[torch.Tensor]]:
+        rows = self.data.train_rows(iteration, self.global_batch, self.first_row, self.per_rank)
+        weights = None if self.data.loss_mask is None else torch.from_numpy(self.data.loss_mask(rows))
+        rows = torch.from_numpy(rows)
         seeds = sample_noise_seeds(self.seed, iteration, range(self.first_row, self.first_row + self.per_rank))
-        return (rows.pin_memory() if self.pin else rows), seeds
+        if self.pin:
+            rows, weights = rows.pin_memory(), None if weights is None else weights.pin_memory()
+        return rows, seeds, weights
 
     def __iter__(self):
         coming = self.pool.submit(self._load, self.start) if self.start < self.stop else None
@@ -145,4 +156,24 @@ def setup_training_data(cfg: RunConfig, run_dir: Path, info: DistributedInfo, se
         raise DataError(f"the training split holds {len(datasets.train)} samples, fewer than the "
                         f"{kwargs['train_samples']} asked for")
     valid_rows = GPTDatasets.rows(datasets.valid, 0, min(valid_samples, len(datasets.valid)))
-    return TrainingData(tokenizer, prefixes, datasets, valid_rows)
+    loss_mask = answers_loss_mask(prefixes, tokenizer, valid_rows) if cfg.data.loss_on == "answers" else None
+    return TrainingData(tokenizer, prefixes, datasets, valid_rows, loss_mask)
+
+
+def answers_loss_mask(prefixes: list[str], tokenizer: Tokenizer, valid_rows: np.ndarray):
+    """`data.loss_on=answers`: the mask function of the synthetic task every prefix was prepared from."""
+    patterns = set()
+    for prefix in prefixes:
+        spec = synthetic_spec_of_prefix(prefix)
+        if spec is None:
+            raise DataError(f"data.loss_on=answers: {prefix} was not prepared from a synthetic task alone (its "
+                            f"meta.json names its inputs), so its answers are unknown; use data.loss_on=all")
+        patterns.add(parse_synthetic(spec).answer_pattern)
+    if len(patterns) != 1:
+        raise DataError(f"data.loss_on=answers: data.prefixes {prefixes} mix synthetic tasks with different answers")
+    mask = functools.partial(answer_token_mask, token_texts=tokenizer.token_texts(), eos_id=tokenizer.eos_id,
+                             pattern=patterns.pop())
+    if not mask(valid_rows).any():
+        raise DataError(f"data.loss_on=answers: the validation windows hold no answer token of {prefixes} (is "
+                        "train.seq_length shorter than one document?)")
+    return mask

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -39,13 +39,18 @@ class StepOutput:
 
 
 class StepRunner:
-    def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector):
+    def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
+                 loss_mask: Optional[Callable[[np.ndarray], np.ndarray]] = None):
         self.engine = parallel.engine
         self.micro_batch, self.accumulation = parallel.micro_batch, parallel.accumulation
         self.cfg, self.info, self.spikes = cfg, info, spikes
+        self.loss_mask = loss_mask
+        """rows -> weights of the label positions the loss counts (`data.loss_on=answers`); None: all."""
 
-    def train_step(self, rows: torch.Tensor, seeds: Sequence[int], draw: DepthDraw, iteration: int) -> StepOutput:
-        """Forward, backward and optimizer step over this rank's `rows` (its share of the global batch)."""
+    def train_step(self, rows: torch.Tensor, seeds: Sequence[int], draw: DepthDraw, iteration: int,
+                   weights: Optional[torch.Tensor] = None) -> StepOutput:
+        """Forward, backward and optimizer step over this rank's `rows` (its share of the global batch);
+        `weights` ([rows, seq_length], from `loss_mask`): the loss is their weighted mean over the global batch."""
         raise NotImplementedError
 
     def validation_loss(self, valid_rows: np.ndarray, recurrences: Optional[int] = None,
@@ -64,18 +69,31 @@ class StepRunner:
 class PlainStepRunner(StepRunner):
     """One model replica per data-parallel rank (TP/SP inside the layers, ZeRO inside the engine)."""
 
-    def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector):
-        super().__init__(parallel, cfg, info, spikes)
+    def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
+                 loss_mask=None):
+        super().__init__(parallel, cfg, info, spikes, loss_mask)
         self.clips_here = parallel.clips_outside_deepspeed
 
-    def train_step(self, rows, seeds, draw, iteration):
+    def train_step(self, rows, seeds, draw, iteration, weights=None):
         total = device_zeros(dtype=torch.float32)
         grad_norm, reason, mean_loss = None, None, None
         injected = iteration + 1 in self.cfg.train.inject_nan_at
+        if weights is not None:
+            weights = weights.to(self.info.device, non_blocking=True)
+            # Each micro-batch's weighted sum over the global batch's weight: DeepSpeed averages the
+            # micro-batches and the DP ranks, so the gradient is the global weighted mean's in every layout.
+            counted = weights.sum().reshape(1)
+            if self.info.dp_size > 1:
+                dist.all_reduce(counted, group=parallel_state.get_data_parallel_group())
+            scale = self.accumulation * self.info.dp_size / counted.clamp(min=1.0)
         for index, start in enumerate(range(0, self.micro_batch * self.accumulation, self.micro_batch)):
             tokens, labels = self._to_device(rows[start : start + self.micro_batch])
-            loss = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences,
-                               seeds[start : start + self.micro_batch]).mean()
+            per_token = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences,
+                                    seeds[start : start + self.micro_batch])
+            if weights is None:
+                loss = per_token.mean()
+            else:
+                loss = (per_token * weights[start : start + self.micro_batch]).sum() * scale[0]
             total += loss.detach().float()
             if index == self.accumulation - 1:
                 # The step's loss decides before the last backward whether the step is skipped: a step to
@@ -117,8 +135,13 @@ class PlainStepRunner(StepRunner):
                     loss = self.engine(tokens, labels, recurrences)
             else:
                 loss = self.engine(tokens, labels, recurrences)
-            loss_sum += loss.double().sum()
-            counted += loss.numel()
+            if self.loss_mask is None:
+                loss_sum += loss.double().sum()
+                counted += loss.numel()
+            else:
+                weights = self.loss_mask(np.asarray(mine[start : start + self.micro_batch]))
+                loss_sum += (loss.double() * device_tensor(weights, dtype=torch.float64)).sum()
+                counted += float(weights.sum())
         self.engine.train()
         sums = torch.stack([loss_sum, device_tensor(float(counted), dtype=torch.float64)])
         if self.info.dp_size > 1:
@@ -148,7 +171,8 @@ class PipelinedStepRunner(StepRunner):
             raise DataError(f"the validation set ({valid_samples} samples) is smaller than one micro-batch per "
                             "data-parallel rank")
 
-    def train_step(self, rows, seeds, draw, iteration):
+    def train_step(self, rows, seeds, draw, iteration, weights=None):
+        assert weights is None, "data.loss_on=answers is refused with parallel.pp > 1 (config.py)"
         batches = self._micro_batches(rows, seeds, (draw.recurrences, draw.grad_recurrences))
         loss = float(self.engine.train_batch(data_iter=iter(batches)))  # mean over micro-batches and DP
         return StepOutput(loss, None, self.spikes.check(loss))  # a non-finite loss is logged and counted
@@ -175,7 +199,7 @@ class PipelinedStepRunner(StepRunner):
 
 
 def build_step_runner(parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
-                      valid_samples: int) -> StepRunner:
+                      valid_samples: int, loss_mask=None) -> StepRunner:
     if parallel.pipelined:
         return PipelinedStepRunner(parallel, cfg, info, spikes, valid_samples)
-    return PlainStepRunner(parallel, cfg, info, spikes)
+    return PlainStepRunner(parallel, cfg, info, spikes, loss_mask)

@@ -169,7 +169,8 @@ class Trainer:
         self.spikes = LossSpikeDetector(cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
         self.skipped_in_a_row = self.skipped_total = 0
         self.sampler = DepthSampler.from_config(self.model_config, cfg.seed)
-        self.runner = build_step_runner(self.parallel, cfg, info, self.spikes, len(self.data.valid_rows))
+        self.runner = build_step_runner(self.parallel, cfg, info, self.spikes, len(self.data.valid_rows),
+                                        self.data.loss_mask)
         self.start_step = self.last_saved = 0
         self.saver = AsyncSaver() if cfg.checkpoint.async_save else None
         if self.resume_path is not None:
@@ -214,9 +215,9 @@ class Trainer:
         # step, save, and return (signals.py has the exit codes).
         loss, valid, stopped_by, checkpoint = float("nan"), float("nan"), None, None
         with self.stop_requests.installed(), self.stop_agreement, closing(batches):
-            for iteration, (rows, seeds) in progress:
+            for iteration, (rows, seeds, weights) in progress:
                 step = self.last_step = iteration + 1
-                loss = self._train_step(iteration, rows, seeds, progress)
+                loss = self._train_step(iteration, rows, seeds, weights, progress)
                 if step % cfg.train.eval_interval == 0 or step == cfg.train.iters:
                     valid = self.evaluator.validate(step)
                     if self.info.is_main:
@@ -253,14 +254,14 @@ class Trainer:
         return TrainResult(loss, valid, self.last_step, seconds, sample, self.start_step, stopped_by, checkpoint,
                            self.skipped_total)
 
-    def _train_step(self, iteration: int, rows: torch.Tensor, seeds: list[int], progress) -> float:
+    def _train_step(self, iteration: int, rows: torch.Tensor, seeds: list[int], weights, progress) -> float:
         """One optimizer step on this rank's `rows` of the iteration, its metrics record and progress line;
         returns its loss."""
         cfg = self.cfg
         started = time.perf_counter()
         draw = self.sampler.draw(iteration)
         lr = float(self.engine.get_lr()[0])  # the rate this step's update uses
-        out = self.runner.train_step(rows, seeds, draw, iteration)
+        out = self.runner.train_step(rows, seeds, draw, iteration, weights)
         seconds = time.perf_counter() - started
         step, tokens = iteration + 1, cfg.train.global_batch_size * self.seq_length
         flops = train_flops_per_token(self.model_config, self.seq_length, draw)
