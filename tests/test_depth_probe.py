@@ -256,13 +256,19 @@ def test_answer_mask_marks_exactly_the_answers_of_documents_that_start_in_the_ro
         ids += tok.encode(ex.text + ex.more) + [tok.eos_id]
         # every query's digit: the scored one, then those of `more`
         answers.append([ex.answer.strip(), *re.findall(r"\? \S+ = (\d)", ex.more)])
+    texts = tok.token_texts()  # each id's text, spaces included: they join back into the document
+    joined = "".join(texts[i] for i in tok.encode(docs[0].text + docs[0].more))
+    assert joined.removeprefix(" ") == docs[0].text + docs[0].more  # sentencepiece adds a dummy " " first
     cut = 5  # the row starts inside the first document: its answers are not scored
     row = np.array([ids[cut:]])
     mask = answer_token_mask(row, tok.token_texts(), tok.eos_id, task.answer_pattern)
     assert mask.shape == (1, row.shape[1] - 1) and set(np.unique(mask)) <= {0.0, 1.0}
     marked = "".join(tok.decode([int(row[0, t + 1])]) for t in np.flatnonzero(mask[0]))
     assert marked == "".join(d for doc in answers[1:] for d in doc)  # every answer after the first document
-    # each marked label is the token right after its query's " =": the mask lines up with the labels
+    # the probe's answer tokens (the text's after the prompt's: " 4" may be two), for every answer
+    per_answer = len(tok.encode(docs[1].text)) - len(tok.encode(docs[1].prompt))
+    assert mask.sum() == per_answer * sum(len(doc) for doc in answers[1:])
+    # each marked label comes after its query's " =": the mask lines up with the labels
     for t in np.flatnonzero(mask[0]):
         assert tok.decode([int(i) for i in row[0, : t + 1]]).rstrip().endswith("=")
     # a row without a document start scores nothing

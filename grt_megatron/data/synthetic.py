@@ -71,9 +71,9 @@ class ChainsTask:
     seed: int = 0
     queries: int = 1
     name = "chains"
-    answer_pattern = re.compile(r"\?\s*\S+?\s*=\s*(\d+)")
-    """Group 1 is an answer (a query's digit), in any document of the task, whatever the tokenizer kept of the
-    spaces (the `data.loss_on=answers` mask)."""
+    answer_pattern = re.compile(r"\?\s*\S+?\s*=(\s*\d+)")
+    """Group 1 is an answer (a query's digit with the space before it, as the probe scores `ProbeExample.answer`:
+    the tokens after the prompt's), in any document of the task (the `data.loss_on=answers` mask)."""
 
     def __post_init__(self) -> None:
         lo, hi = self.hops

@@ -167,6 +167,21 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
+    def token_texts(self) -> list[str]:
+        # From the pieces, not decode([id]): decoding one piece drops the space "▁" stands for, and the
+        # answer-token mask must count a lone "▁" before an answer's digit as the probe does.
+        sp = self._sp
+        out = []
+        for i in range(sp.get_piece_size()):
+            piece = sp.id_to_piece(i)
+            if sp.is_control(i) or sp.is_unknown(i):
+                out.append("")
+            elif sp.is_byte(i):
+                out.append(chr(int(piece[3:-1], 16)) if int(piece[3:-1], 16) < 128 else "\ufffd")
+            else:
+                out.append(piece.replace("\u2581", " "))
+        return out
+
 
 class HFTokenizer(Tokenizer):
     """A `transformers` tokenizer (e.g. GPT-2's BPE); EOS is its `eos_token`."""
