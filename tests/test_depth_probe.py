@@ -163,9 +163,10 @@ def test_answer_metrics_on_hand_made_logits(pydoc_prefix):
     assert (probe.tokens.shape[1] - 1) % 4 == 0
     for i, ex in enumerate(examples):
         prompt, full = tok.encode(ex.prompt), tok.encode(ex.text)
+        assert probe.tokens[i, 0] == tok.eos_id  # the example follows an end of document, as in training
         labels = probe.tokens[i, 1:]
         assert list(labels[probe.answer[i]]) == full[len(prompt):]  # exactly the answer's tokens
-        assert list(labels[probe.prompt[i]]) == prompt[1:]  # the prompt's, after the first
+        assert list(labels[probe.prompt[i]]) == prompt  # the prompt's
     n_answer = probe.answer.sum(1)
     assert (n_answer >= 1).all()
     vocab = tok.vocab_size

@@ -30,20 +30,24 @@ class ProbeSet:
 
 
 def encode_probe_set(examples, tokenizer, seq_length: int, hops: int, pad_multiple: int = 1) -> ProbeSet:
-    """Token rows [n, L + 1] (L the longest example rounded up to `pad_multiple`, padded with EOS) and masks
-    [n, L] over the labels (row[1:]): where a label is an answer token, where a prompt token. The answer's
-    tokens must be the full text's tail after the prompt's: a tokenizer that merges across that boundary is
-    refused. Right padding changes nothing before it (causal attention)."""
+    """Token rows [n, L + 1]: EOS, then the example (L the longest rounded up to `pad_multiple`, padded with
+    EOS), and masks [n, L] over the labels (row[1:]): where a label is an answer token, where a prompt token.
+    The leading EOS puts the example where training sees every document, after an end of document (as
+    lm-evaluation-harness prefixes a context with the EOT token); without it the first prompt token would sit
+    at position 0, where no trained answer ever is. The answer's tokens must be the full text's tail after the
+    prompt's: a tokenizer that merges across that boundary is refused. Right padding changes nothing before
+    it (causal attention)."""
     rows, spans = [], []
     for ex in examples:
         prompt, full = tokenizer.encode(ex.prompt), tokenizer.encode(ex.text)
         if full[: len(prompt)] != prompt or len(full) == len(prompt):
             raise ConfigError(f"probe: the tokenizer {tokenizer.source} merges the prompt {ex.prompt[-12:]!r} "
                               f"with its answer {ex.answer!r}; the answer tokens cannot be told apart")
-        if len(full) > seq_length + 1:
-            raise ConfigError(f"probe: examples at k={hops} take {len(full)} tokens, more than train.seq_length "
-                              f"+ 1 = {seq_length + 1}: lower probe.hops or raise the sequence length")
-        rows.append(full)
+        if len(full) + 1 > seq_length + 1:
+            raise ConfigError(f"probe: examples at k={hops} take {len(full) + 1} tokens with the EOS before them, "
+                              f"more than train.seq_length + 1 = {seq_length + 1}: lower probe.hops or raise the "
+                              "sequence length")
+        rows.append([tokenizer.eos_id, *full])
         spans.append(len(prompt))
     width = -(-(max(len(r) for r in rows) - 1) // pad_multiple) * pad_multiple + 1
     if width > seq_length + 1:
@@ -54,8 +58,8 @@ def encode_probe_set(examples, tokenizer, seq_length: int, hops: int, pad_multip
     prompt = np.zeros((len(rows), width - 1), dtype=bool)
     for i, (row, p) in enumerate(zip(rows, spans)):
         tokens[i, : len(row)] = row
-        prompt[i, : p - 1] = True  # labels 1 … p−1: the prompt's tokens after the first
-        answer[i, p - 1 : len(row) - 1] = True  # labels p … end: the answer's tokens
+        prompt[i, :p] = True  # labels 0 … p−1: the prompt's tokens (label j is row[j + 1])
+        answer[i, p : len(row) - 1] = True  # labels p … end: the answer's tokens
     return ProbeSet(hops, tokens, answer, prompt)
 
 
