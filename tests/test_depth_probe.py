@@ -50,6 +50,35 @@ def test_chains_are_deterministic_and_every_answer_follows_from_the_bindings():
     assert seen_hops == {2, 3, 4, 5, 6}
 
 
+def test_pairs_style_writes_every_binding_as_two_symbols_and_answers_follow_the_chain():
+    task = parse_synthetic("synthetic:chains:hops=1-5,chains=3,examples=300,queries=4,style=pairs")
+    assert parse_synthetic("synthetic:chains:hops=1-5,chains=3,examples=300,queries=4").example("train", 3) != \
+        task.example("train", 3)
+    assert list(task.documents()) == list(parse_synthetic(
+        "synthetic:chains:hops=1-5,chains=3,examples=300,queries=4,style=pairs").documents())
+    for i in range(300):
+        ex = task.example("train", i)
+        body, query = ex.prompt.rsplit(" ; ? ", 1)
+        bindings = dict(b.split(" ") for b in body.split(" ; "))
+        assert all(len(k) == 1 and k.islower() for k in bindings)
+        name, read = query, 0
+        while not name.isupper():
+            name, read = bindings[name], read + 1
+        assert ex.answer == f" {name}" and read == ex.hops
+        for asked in ex.more.split(" ; ? ")[1:]:
+            other, value = asked.split(" ")
+            while not other.isupper():
+                other = bindings[other]
+            assert value == other
+        # the answer mask's pattern finds every answer, the scored one first
+        found = task.answer_pattern.findall(ex.text + ex.more)
+        assert found[0] == ex.answer and len(found) == 1 + ex.more.count("?")
+    with pytest.raises(DataError, match=re.escape("k=14 with chains=2 needs 28 distinct variables; there are 26 (a-z)")):
+        parse_synthetic("synthetic:chains:hops=14,style=pairs")
+    with pytest.raises(DataError, match=re.escape("style=arrows is not one of equals, pairs")):
+        parse_synthetic("synthetic:chains:style=arrows")
+
+
 def test_more_queries_ask_other_variables_after_the_same_scored_problem():
     one = parse_synthetic("synthetic:chains:hops=1-4,examples=200")
     many = parse_synthetic("synthetic:chains:hops=1-4,examples=200,queries=8")

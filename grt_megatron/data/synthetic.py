@@ -39,6 +39,15 @@ import numpy as np
 from grt_megatron.data.sources import SYNTHETIC, DataError
 
 VARIABLES = string.ascii_lowercase + string.ascii_uppercase
+STYLES = {
+    # style: (variables, values, binding, query): `equals` is the readable form of the module docstring;
+    # `pairs` writes a binding as two symbols, `q j`, and a query as `? f` followed by the answer, values
+    # being capitals A-J: every symbol one token for a tokenizer trained on the task, so a lookup is the
+    # plain induction pattern (find the earlier `f`, copy the token after it) instead of a match two tokens
+    # back across an ` =` every binding shares.
+    "equals": (VARIABLES, "0123456789", "{} = {}", " ; ? {} ="),
+    "pairs": (string.ascii_lowercase, "ABCDEFGHIJ", "{} {}", " ; ? {}"),
+}
 
 
 @dataclass(frozen=True)
@@ -70,10 +79,17 @@ class ChainsTask:
     examples: int = 20000
     seed: int = 0
     queries: int = 1
+    style: str = "equals"
     name = "chains"
-    answer_pattern = re.compile(r"\?\s*\S+?\s*=(\s*\d+)")
-    """Group 1 is an answer (a query's digit with the space before it, as the probe scores `ProbeExample.answer`:
-    the tokens after the prompt's), in any document of the task (the `data.loss_on=answers` mask)."""
+
+    @property
+    def answer_pattern(self) -> re.Pattern:
+        """Group 1 is an answer (a query's value with the space before it, as the probe scores
+        `ProbeExample.answer`: the tokens after the prompt's), in any document of the task (the
+        `data.loss_on=answers` mask)."""
+        if self.style == "pairs":
+            return re.compile(r"\?\s*[a-z](\s*[A-J])")
+        return re.compile(r"\?\s*\S+?\s*=(\s*\d+)")
 
     def __post_init__(self) -> None:
         lo, hi = self.hops
@@ -85,20 +101,25 @@ class ChainsTask:
             raise DataError(f"synthetic:chains: examples={self.examples} must be >= 1")
         if self.queries < 1:
             raise DataError(f"synthetic:chains: queries={self.queries} must be >= 1")
+        if self.style not in STYLES:
+            raise DataError(f"synthetic:chains: style={self.style} is not one of {', '.join(STYLES)}")
         self.check_hops(hi)
 
     def check_hops(self, hops: int) -> None:
-        if hops < 1 or hops * self.chains > len(VARIABLES):
+        names = STYLES[self.style][0]
+        if hops < 1 or hops * self.chains > len(names):
             raise DataError(f"synthetic:chains: k={hops} with chains={self.chains} needs {hops * self.chains} "
-                            f"distinct variables; there are {len(VARIABLES)} (a-z, A-Z)")
+                            f"distinct variables; there are {len(names)} ({names[0]}-{names[-1]}"
+                            f"{', A-Z' if len(names) > 26 else ''}) in style={self.style}")
 
     def example(self, stream: str, index: int, hops: int | None = None) -> ProbeExample:
         """Example `index` of `stream` (`train` or `valid`), at `hops` (default: drawn from `self.hops`)."""
         rng = random.Random(f"chains/{self.seed}/{stream}/{index}")
         k = rng.randint(*self.hops) if hops is None else hops
         self.check_hops(k)
-        names = rng.sample(VARIABLES, self.chains * k)
-        digits = rng.sample(range(10), self.chains)
+        variables, values, binding, query_form = STYLES[self.style]
+        names = rng.sample(variables, self.chains * k)
+        digits = [values[d] for d in rng.sample(range(10), self.chains)]
         bindings = []
         for c in range(self.chains):
             chain = names[c * k : (c + 1) * k]
@@ -106,13 +127,13 @@ class ChainsTask:
             bindings.extend((chain[i], chain[i - 1]) for i in range(1, k))
         rng.shuffle(bindings)
         query = rng.randrange(self.chains)
-        prompt = " ; ".join(f"{left} = {right}" for left, right in bindings)
-        prompt += f" ; ? {names[query * k + k - 1]} ="
+        prompt = " ; ".join(binding.format(left, right) for left, right in bindings)
+        prompt += query_form.format(names[query * k + k - 1])
         more = ""
         if self.queries > 1:  # drawn after everything above, so queries=1 gives the same examples as before
             others = [i for i in range(self.chains * k) if i != query * k + k - 1]
             for i in rng.sample(others, min(self.queries, self.chains * k) - 1):
-                more += f" ; ? {names[i]} = {digits[i // k]}"
+                more += f"{query_form.format(names[i])} {digits[i // k]}"
         return ProbeExample(prompt, f" {digits[query]}", k, more)
 
     def documents(self) -> Iterator[str]:
@@ -230,7 +251,7 @@ def _range(value: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-_OPTIONS = {"hops": _range, "chains": int, "examples": int, "seed": int, "queries": int}
+_OPTIONS = {"hops": _range, "chains": int, "examples": int, "seed": int, "queries": int, "style": str}
 
 
 def parse_synthetic(spec: str) -> ChainsTask:
