@@ -332,8 +332,10 @@ def test_answer_loss_trains_equal_in_one_process_dp2_and_accumulation(pydoc_pref
     # layouts agree (a mean per micro-batch would not)
     for name in ("accumulated", "dp2"):
         assert losses(name) == pytest.approx(losses("one"), rel=1e-5), name
-    # the answer tokens' loss is another number than every token's, in training and validation
-    assert all(abs(a - b) > 1e-3 for a, b in zip(losses("one"), losses("all")))
+    # the answer tokens' loss is another number than every token's: at the first step (measured: 7.644 against
+    # 7.556) and in validation after training on it (6.566 against 6.847); in between the two curves cross
+    one, every = losses("one"), losses("all")
+    assert abs(one[0] - every[0]) > 0.03 and abs(one[-1] - every[-1]) > 0.1
 
 
 def test_answer_loss_is_refused_where_answers_are_unknown(pydoc_prefix, tmp_path):
