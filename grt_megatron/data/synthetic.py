@@ -32,21 +32,36 @@ import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from grt_megatron.data.sources import SYNTHETIC, DataError
 
 VARIABLES = string.ascii_lowercase + string.ascii_uppercase
+
+
+class ChainStyle(NamedTuple):
+    """How a chains document is written: its symbols, the form of a binding and of a query, and the pattern
+    whose group 1 finds every answer in a document (a query's value with the space before it, as the probe
+    scores `ProbeExample.answer`: the tokens after the prompt's; the `data.loss_on=answers` mask)."""
+
+    variables: str
+    values: str
+    binding: str
+    query: str
+    answer: re.Pattern
+
+
 STYLES = {
-    # style: (variables, values, binding, query): `equals` is the readable form of the module docstring;
-    # `pairs` writes a binding as two symbols, `q j`, and a query as `? f` followed by the answer, values
-    # being capitals A-J: every symbol one token for a tokenizer trained on the task, so a lookup is the
-    # plain induction pattern (find the earlier `f`, copy the token after it) instead of a match two tokens
-    # back across an ` =` every binding shares.
-    "equals": (VARIABLES, "0123456789", "{} = {}", " ; ? {} ="),
-    "pairs": (string.ascii_lowercase, "ABCDEFGHIJ", "{} {}", " ; ? {}"),
+    # `equals` is the readable form of the module docstring; `pairs` writes a binding as two symbols, `q j`,
+    # and a query as `? f` followed by the answer, values being capitals A-J: every symbol one token for a
+    # tokenizer trained on the task, so a lookup is the plain induction pattern (find the earlier `f`, copy
+    # the token after it) instead of a match two tokens back across an ` =` every binding shares.
+    "equals": ChainStyle(VARIABLES, "0123456789", "{} = {}", " ; ? {} =",
+                         re.compile(r"\?\s*\S+?\s*=(\s*\d+)")),
+    "pairs": ChainStyle(string.ascii_lowercase, "ABCDEFGHIJ", "{} {}", " ; ? {}",
+                        re.compile(r"\?\s*[a-z](\s*[A-J])")),
 }
 
 
@@ -84,12 +99,8 @@ class ChainsTask:
 
     @property
     def answer_pattern(self) -> re.Pattern:
-        """Group 1 is an answer (a query's value with the space before it, as the probe scores
-        `ProbeExample.answer`: the tokens after the prompt's), in any document of the task (the
-        `data.loss_on=answers` mask)."""
-        if self.style == "pairs":
-            return re.compile(r"\?\s*[a-z](\s*[A-J])")
-        return re.compile(r"\?\s*\S+?\s*=(\s*\d+)")
+        """Group 1 is an answer, in any document of the task (`ChainStyle.answer`)."""
+        return STYLES[self.style].answer
 
     def __post_init__(self) -> None:
         lo, hi = self.hops
@@ -106,7 +117,7 @@ class ChainsTask:
         self.check_hops(hi)
 
     def check_hops(self, hops: int) -> None:
-        names = STYLES[self.style][0]
+        names = STYLES[self.style].variables
         if hops < 1 or hops * self.chains > len(names):
             raise DataError(f"synthetic:chains: k={hops} with chains={self.chains} needs {hops * self.chains} "
                             f"distinct variables; there are {len(names)} ({names[0]}-{names[-1]}"
@@ -117,9 +128,9 @@ class ChainsTask:
         rng = random.Random(f"chains/{self.seed}/{stream}/{index}")
         k = rng.randint(*self.hops) if hops is None else hops
         self.check_hops(k)
-        variables, values, binding, query_form = STYLES[self.style]
-        names = rng.sample(variables, self.chains * k)
-        digits = [values[d] for d in rng.sample(range(10), self.chains)]
+        style = STYLES[self.style]
+        names = rng.sample(style.variables, self.chains * k)
+        digits = [style.values[d] for d in rng.sample(range(10), self.chains)]
         bindings = []
         for c in range(self.chains):
             chain = names[c * k : (c + 1) * k]
@@ -127,13 +138,13 @@ class ChainsTask:
             bindings.extend((chain[i], chain[i - 1]) for i in range(1, k))
         rng.shuffle(bindings)
         query = rng.randrange(self.chains)
-        prompt = " ; ".join(binding.format(left, right) for left, right in bindings)
-        prompt += query_form.format(names[query * k + k - 1])
+        prompt = " ; ".join(style.binding.format(left, right) for left, right in bindings)
+        prompt += style.query.format(names[query * k + k - 1])
         more = ""
         if self.queries > 1:  # drawn after everything above, so queries=1 gives the same examples as before
             others = [i for i in range(self.chains * k) if i != query * k + k - 1]
             for i in rng.sample(others, min(self.queries, self.chains * k) - 1):
-                more += f"{query_form.format(names[i])} {digits[i // k]}"
+                more += f"{style.query.format(names[i])} {digits[i // k]}"
         return ProbeExample(prompt, f" {digits[query]}", k, more)
 
     def documents(self) -> Iterator[str]:
@@ -233,8 +244,9 @@ def answer_token_mask(rows: np.ndarray, token_texts: Sequence[str], eos_id: int,
         starts = np.flatnonzero(row == eos_id) + 1
         for a, b in zip(starts, [*starts[1:], width]):
             texts = [token_texts[t] for t in row[a:b]]
-            ends = np.cumsum([len(t) for t in texts])
-            begins = ends - [len(t) for t in texts]
+            lengths = np.array([len(t) for t in texts])
+            ends = np.cumsum(lengths)
+            begins = ends - lengths
             text = "".join(texts)
             for match in pattern.finditer(text):
                 lo, hi = match.span(1)

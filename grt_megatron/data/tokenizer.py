@@ -176,8 +176,9 @@ class SentencePieceTokenizer(Tokenizer):
             piece = sp.id_to_piece(i)
             if sp.is_control(i) or sp.is_unknown(i):
                 out.append("")
-            elif sp.is_byte(i):
-                out.append(chr(int(piece[3:-1], 16)) if int(piece[3:-1], 16) < 128 else "\ufffd")
+            elif sp.is_byte(i):  # "<0x41>": ASCII as itself; a byte of a longer UTF-8 character has no text alone
+                byte = int(piece[3:-1], 16)
+                out.append(chr(byte) if byte < 128 else "\ufffd")
             else:
                 out.append(piece.replace("\u2581", " "))
         return out
