@@ -9,7 +9,6 @@ from conftest import REPO, tiny_config
 from hydra import compose, initialize_config_dir
 
 from grt_megatron.model import GRTLanguageModel, count_parameters
-from grt_megatron.model.language_model import causal_attention_mask
 from grt_megatron.model.config import mor_capacity
 from grt_megatron.model.diagnostics import recording_recurrence_stats
 from grt_megatron.model.layers import StepInputs, run_layers
@@ -46,7 +45,7 @@ def test_no_gate_ablations_follow_their_update_rule(world, gate):
     block = model.block
     s, d = 8, config.hidden_size
     h, h_pre = torch.randn(s, 2, d), torch.randn(s, 2, d)
-    inputs = StepInputs(causal_attention_mask(s, h.device))
+    inputs = StepInputs(None)
     with torch.no_grad():
         o = run_layers(block.core, block._inject(h, h_pre), inputs)
         got = block.recurrence_step(h, h_pre, inputs, step=0)
@@ -82,7 +81,7 @@ def test_mor_router_capacity_shrinks_with_depth_and_leavers_skip_later_recursion
     for router in block.routers:
         router.register_forward_pre_hook(lambda m, args: router_tokens.append(args[0].shape[0]))
     h = torch.randn(s, 3, d, generator=torch.Generator().manual_seed(0))
-    inputs = StepInputs(causal_attention_mask(s, h.device))
+    inputs = StepInputs(None)
     with torch.no_grad():
         outs = [run_mor(block, h, inputs, r) for r in range(1, 5)]
     # Capacities ceil(S·(R−r+1)/R) = 16, 12, 8, 4; each router sees the previous recursion's tokens.
@@ -128,7 +127,7 @@ def test_mor_threshold_routing_is_causal_and_per_sequence(world):
     block.mor_eval_routing = "threshold"
     with torch.no_grad():
         h = model.embedding(input_ids=tokens, position_ids=torch.arange(s).expand(4, s))
-        inputs = StepInputs(causal_attention_mask(s, h.device))
+        inputs = StepInputs(None)
         h = run_layers(block.prelude, h, inputs)
         outs = [run_mor(block, h, inputs, r) for r in range(5)]
         alone = [run_mor(block, h[:, i : i + 1], inputs, 4) for i in range(4)]

@@ -160,7 +160,7 @@ class _Oracle(torch.nn.Module):
         self.probe, self.vocab = probe, vocab
         self.answer_logit, self.prompt_logit, self.wrong_second = answer_logit, prompt_logit, wrong_second
 
-    def forward(self, tokens, labels, recurrences):
+    def forward(self, tokens, labels, recurrences, document_ids=None):
         assert labels is None
         rows = torch.as_tensor(self.probe.tokens)
         index = [int(torch.nonzero((rows[:, : tokens.shape[1]] == t).all(-1))[0]) for t in tokens]
@@ -178,7 +178,7 @@ class _Oracle(torch.nn.Module):
 
 class _Runner:
     def __init__(self, engine, micro_batch=3):
-        self.engine, self.micro_batch = engine, micro_batch
+        self.engine, self.micro_batch, self.document_eos = engine, micro_batch, None
         self.info = type("Info", (), {"dp_rank": 0, "dp_size": 1})()
 
 

@@ -19,12 +19,22 @@ def _common(model, prefix):
 @pytest.fixture(scope="module")
 def references(pydoc_prefix, tmp_path_factory):
     out = {}
-    for model in ("tiny", "tiny_dense", "tiny_ouro", "tiny_rrt"):
-        run_dir = tmp_path_factory.mktemp("ref") / model
-        proc = run_cli([*_common(model, pydoc_prefix[0]), f"run.dir={run_dir}"])
+    for name in ("tiny", "tiny_dense", "tiny_ouro", "tiny_rrt", "tiny+documents"):
+        model, *extra = REFERENCES[name]
+        run_dir = tmp_path_factory.mktemp("ref") / name
+        proc = run_cli([*_common(model, pydoc_prefix[0]), *extra, f"run.dir={run_dir}"])
         assert proc.returncode == 0, proc.stderr[-3000:]
-        out[model] = read_jsonl(run_dir / "metrics.jsonl")
+        out[name] = read_jsonl(run_dir / "metrics.jsonl")
+    # The packed rows hold several documents: the document mask changes the losses by more than the layouts'
+    # tolerance below (else those layouts would not test it; at init the change is small, ~4e-5).
+    change = max(abs(d["loss"] / p["loss"] - 1) for d, p in zip(out["tiny+documents"], out["tiny"]))
+    assert change > 2e-5, change
     return out
+
+
+DOCUMENTS = "data.reset_attention_mask=true"
+REFERENCES = {name: [name] for name in ("tiny", "tiny_dense", "tiny_ouro", "tiny_rrt")}
+REFERENCES["tiny+documents"] = ["tiny", DOCUMENTS]
 
 
 PORT = iter(range(29610, 29700))
@@ -50,12 +60,16 @@ LAYOUTS = [
     # Ouro's per-step heads and exit head, RRT's per-recursion deltas (also recomputed) under ZeRO.
     ("tiny_ouro", 2, ["deepspeed.zero_stage=2"]),
     ("tiny_rrt", 2, ["deepspeed.zero_stage=3", "model.checkpoint_recurrence=true"]),
+    # Document masks: built from the tokens on every TP rank (SP: over the gathered sequence) and carried
+    # between pipeline stages.
+    ("tiny+documents", 2, ["parallel.tp=2", "parallel.sp=true", DOCUMENTS]),
+    ("tiny+documents", 2, ["parallel.pp=2", "deepspeed.zero_stage=1", DOCUMENTS]),
 ]
 
 
 @pytest.mark.parametrize("model,procs,layout", LAYOUTS, ids=[f"{m}-{n}p-" + "-".join(a) for m, n, a in LAYOUTS])
 def test_layout_matches_one_process(references, pydoc_prefix, tmp_path, model, procs, layout):
-    proc = run_cli([*_common(model, pydoc_prefix[0]), *layout, f"run.dir={tmp_path}"],
+    proc = run_cli([*_common(REFERENCES[model][0], pydoc_prefix[0]), *layout, f"run.dir={tmp_path}"],
                    launcher=[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
                              f"--master_port={next(PORT)}"])
     assert proc.returncode == 0, proc.stderr[-3000:]

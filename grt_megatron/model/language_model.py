@@ -18,14 +18,22 @@ from megatron.core.transformer.spec_utils import build_module
 
 from grt_megatron.model.config import GRTConfig
 from grt_megatron.model.init import piece_rng
+from grt_megatron.model.layers import document_attention_mask
 from grt_megatron.model.loss import chunked_vocab_parallel_cross_entropy
 from grt_megatron.model.ouro import EXIT_RULES, build_exit_head, exit_log_probs, exit_steps, looped_loss
 from grt_megatron.model.specs import get_grt_block_spec, get_norm_spec
 
 
-def causal_attention_mask(seq_len: int, device: torch.device) -> torch.Tensor:
-    """[1, 1, s, s] boolean mask, True where attention is forbidden (megatron's convention)."""
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+def attention_mask_of(config: GRTConfig, document_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The layers' attention mask: None (causal, the kernel's own) or, given each position's document
+    ([b, s], packed documents: `data.reset_attention_mask`), causal within each document."""
+    if document_ids is None:
+        return None
+    if config.layer_spec != "local":
+        # Transformer Engine's attention is built causal here and would ignore the mask: refuse, never
+        # attend across documents silently (the run config resolves `auto` to local for this reason).
+        raise ValueError(f"document attention masks need model.layer_spec=local, got {config.layer_spec!r}")
+    return document_attention_mask(document_ids)
 
 
 def build_embedding(config: GRTConfig, init_seed: int) -> LanguageModelEmbedding:
@@ -121,17 +129,19 @@ class GRTLanguageModel(MegatronModule):
         recurrences: Optional[int] = None,
         grad_recurrences: Optional[int] = None,
         noise_seeds: Optional[Sequence[int]] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """tokens [b, s] → per-token loss [b, s] (fp32) when `labels` is given, else logits [b, s, V]
         over the tokenizer's vocabulary (TP-gathered, padding cut). `recurrences`/`grad_recurrences`
-        come from the depth sampler in training; `noise_seeds` key each sample's training noise."""
+        come from the depth sampler in training; `noise_seeds` key each sample's training noise.
+        `document_ids` ([b, s], `layers.document_ids_of`): attention stays within each packed document."""
         s = tokens.shape[1]
         if s > self.config.max_sequence_length:
             raise ValueError(f"sequence of {s} tokens exceeds model.max_sequence_length="
                              f"{self.config.max_sequence_length}")
         hidden = self.embed(tokens)
         rope = self.rotary_pos_emb(s) if self.rotary_pos_emb is not None else None
-        mask = causal_attention_mask(s, tokens.device)
+        mask = attention_mask_of(self.config, document_ids)
         if self.exit_head is not None:
             return self.looped_forward(hidden, mask, rope, labels, recurrences, noise_seeds)
         hidden = self.block(hidden, mask, rope, recurrences=recurrences, grad_recurrences=grad_recurrences,

@@ -16,9 +16,26 @@ from grt_megatron.model.init import piece_rng
 class StepInputs:
     """What every layer execution of one forward pass shares."""
 
-    attention_mask: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    """None: causal attention (the attention kernel's own mask). Else [b, 1, s, s] booleans, True where
+    attention is forbidden (megatron's convention): `document_attention_mask`, packed documents."""
     rotary_pos_emb: Optional[torch.Tensor] = None
     noise_seeds: Optional[Sequence[int]] = None
+
+
+def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] document index of every position -> [b, 1, s, s] mask, True where attention is forbidden:
+    a token attends causally within its own document only (Megatron-LM's `--reset-attention-mask`)."""
+    s = document_ids.shape[1]
+    later = torch.triu(torch.ones(s, s, dtype=torch.bool, device=document_ids.device), diagonal=1)
+    return (later | (document_ids[:, :, None] != document_ids[:, None, :])).unsqueeze(1)
+
+
+def document_ids_of(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[b, s] tokens -> [b, s] document index: the number of EOS tokens strictly before each position, so
+    an EOS closes its document (as Megatron-LM resets attention after each end-of-document token)."""
+    eos = (tokens == eos_id).to(torch.int32)
+    return eos.cumsum(dim=1) - eos
 
 
 def run_layers(layers, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:

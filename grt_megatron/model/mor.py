@@ -12,6 +12,8 @@ where k_r < S (`mor_eval_routing`). docs/design.md says why each choice was made
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,20 @@ def build_routers(config: GRTConfig, init_seed: int) -> torch.nn.ModuleList:
         for router in routers:
             config.init_method(router.weight)
     return routers
+
+
+def active_inputs(inputs: StepInputs, active: torch.Tensor) -> StepInputs:
+    """The step inputs of the compact sequence `active` ([n, b] positions). A document mask is cut down to
+    the active positions, and stays causal in the compact order too: a padding column's left tokens may
+    hold earlier positions than the real tokens before them, and no real token may attend to them."""
+    if inputs.attention_mask is None:
+        return inputs
+    n, b = active.shape
+    positions = active.transpose(0, 1)  # [b, n]
+    rows = torch.arange(b, device=active.device)[:, None, None]
+    mask = inputs.attention_mask[rows, 0, positions[:, :, None], positions[:, None, :]]  # [b, n, n]
+    later = torch.triu(torch.ones(n, n, dtype=torch.bool, device=active.device), diagonal=1)
+    return dataclasses.replace(inputs, attention_mask=(mask | later).unsqueeze(1))
 
 
 def run_mor(block, h_pre: torch.Tensor, inputs: StepInputs, recurrences: int) -> torch.Tensor:
@@ -73,7 +89,7 @@ def run_mor(block, h_pre: torch.Tensor, inputs: StepInputs, recurrences: int) ->
         x = candidates.gather(0, chosen.unsqueeze(-1).expand(-1, -1, d))
         # The compact sequence keeps the positions' order, so the layers' causal attention is causal
         # among the active tokens: a token attends to the earlier tokens that are still recurring.
-        o = run_layers(block.core, x.to(dtype), inputs).float()
+        o = run_layers(block.core, x.to(dtype), active_inputs(inputs, active)).float()
         w = torch.sigmoid(logits.gather(0, chosen)).unsqueeze(-1)
         update = torch.where(valid.unsqueeze(-1), x + w * (o - x), x)
         h_new = h.scatter(0, active.unsqueeze(-1).expand(-1, -1, d), update)

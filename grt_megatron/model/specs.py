@@ -45,7 +45,8 @@ class SDPACoreAttention(MegatronModule):
     through torch's `scaled_dot_product_attention`: one fused kernel (flash / memory-efficient on GPU, a
     fused CPU kernel) instead of the local spec's baddbmm + masked softmax + dropout + bmm, which cost
     grt-megatron 13% of a tiny model's CPU step against plain PyTorch (`tools/bench/overhead.py`).
-    Every GRT attention is causal, so the mask is the kernel's own (`is_causal`), not the one passed."""
+    Without a mask attention is causal through the kernel's own `is_causal`; a mask (packed documents,
+    `layers.document_attention_mask`, True where forbidden) goes to the kernel as its complement."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type=None, attention_type=None,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
@@ -62,8 +63,11 @@ class SDPACoreAttention(MegatronModule):
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         p = self.dropout if self.training else 0.0
 
+        allowed = None if attention_mask is None else ~attention_mask
+
         def attend():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p,
+                                                  is_causal=allowed is None, scale=self.softmax_scale)
 
         if p > 0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():  # dropout differs across TP ranks' heads

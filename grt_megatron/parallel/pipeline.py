@@ -23,7 +23,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
 
 from grt_megatron.model.config import GRTConfig
-from grt_megatron.model.language_model import GRTLanguageModel, causal_attention_mask, vocab_parallel_loss
+from grt_megatron.model.language_model import GRTLanguageModel, attention_mask_of, vocab_parallel_loss
 from grt_megatron.model.layers import StepInputs, run_layers
 from grt_megatron.parallel.layout import check_pipeline_stages, pipeline_unit_costs
 
@@ -32,7 +32,9 @@ TIED_WEIGHT = "embedding.word_embeddings.weight"
 
 class PipelineUnit(GRTLanguageModel):
     """One pipeline unit: the model built with only `unit`'s part. Between units travel
-    (hidden, noise seeds, depth); the first takes (tokens, seeds, depth), the last two return tensors.
+    (hidden, noise seeds, depth[, document ids]); the first takes (tokens, seeds, depth[, document ids]),
+    the last two return tensors. Document ids (`data.reset_attention_mask`) ride along so that every
+    stage builds the same document mask.
 
     `unit`: `embedding` (with the weightless tied head when embeddings are tied), `layer` (block layer
     `layer`), `core` (all core layers, the injection and the gate: the whole recurrence), `final_norm`,
@@ -49,30 +51,31 @@ class PipelineUnit(GRTLanguageModel):
         super().__init__(config, init_seed, parts=parts, layers=layers)
         self.unit, self.layer = unit, layer
 
-    def _step_inputs(self, hidden: torch.Tensor, seeds: torch.Tensor) -> StepInputs:
+    def _step_inputs(self, hidden: torch.Tensor, seeds: torch.Tensor, documents) -> StepInputs:
         """Mask, RoPE and noise seeds; the full sequence length is recovered under SP."""
         s = hidden.shape[0]
         if self.config.sequence_parallel:
             s *= parallel_state.get_tensor_model_parallel_world_size()
         rope = self.rotary_pos_emb(s) if self.rotary_pos_emb is not None else None
-        return StepInputs(causal_attention_mask(s, hidden.device), rope, seeds.tolist())
+        mask = attention_mask_of(self.config, documents[0] if documents else None)
+        return StepInputs(mask, rope, seeds.tolist())
 
     def forward(self, inputs):
         if self.unit == "embedding":
-            tokens, seeds, depth = inputs
-            return self.embed(tokens), seeds, depth
+            tokens, *rest = inputs
+            return (self.embed(tokens), *rest)
         if self.unit == "final_norm":
             return self.final_norm(inputs[0])
         if self.unit == "output_layer":
             return self.logits(inputs)
-        hidden, seeds, depth = inputs
-        step = self._step_inputs(hidden, seeds)
+        hidden, seeds, depth, *documents = inputs
+        step = self._step_inputs(hidden, seeds, documents)
         if self.unit == "core":
             r, grad_r = (int(v) for v in depth.tolist())
             hidden = self.block.run_core(hidden, step, r, grad_r)
         else:
             hidden = run_layers([self.block.layers[self.layer]], hidden, step)
-        return hidden, seeds, depth
+        return (hidden, seeds, depth, *documents)
 
 
 def tied_head(unit: PipelineUnit, hidden: torch.Tensor) -> torch.Tensor:

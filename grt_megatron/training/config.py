@@ -124,6 +124,12 @@ class DataConfig:
     task's documents (every prefix prepared from one, data/synthetic.py), as algorithmic tasks are trained:
     the prompts' random bindings are noise that would dominate the loss. Validation loss then means the
     answer tokens' too; a row's first document (cut by the window) is not scored."""
+    reset_attention_mask: bool = False
+    """Attention stays within each packed document: a token attends to no token up to the last EOS before
+    it (Megatron-LM's `--reset-attention-mask`), in training, validation and the depth probe. Rows pack
+    several documents; a synthetic task's earlier documents bind the same names, which a short model cannot
+    tell apart from the current one's. Positions are not reset (rotary positions are relative anyway).
+    Needs model.layer_spec local (`auto` resolves to it): TE's attention here is causal-only."""
     train_samples: Optional[int] = None
     """Size of the training sample stream (default train.iters × global batch). The data order depends
     on it: keep it when extending a run."""
@@ -235,6 +241,11 @@ class RunConfig:
 
     def model_config(self, vocab_size: int) -> GRTConfig:
         recipe = dict(self.model)
+        if self.data.reset_attention_mask:
+            if recipe.get("layer_spec", "auto") not in (None, "auto", "local"):
+                raise ConfigError(f"data.reset_attention_mask=true needs model.layer_spec=local (or auto), got "
+                                  f"{recipe['layer_spec']!r}: Transformer Engine's attention is built causal-only")
+            recipe["layer_spec"] = "local"
         if recipe.get("vocab_size") is None:
             recipe["vocab_size"] = vocab_size
         elif recipe["vocab_size"] < vocab_size:

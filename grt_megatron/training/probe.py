@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from grt_megatron.data.synthetic import check_probe_corpus, probe_hops, resolve_task
 from grt_megatron.device import device_tensor, device_zeros
 from grt_megatron.model import ConfigError
+from grt_megatron.model.layers import document_ids_of
 
 
 class ProbeSet:
@@ -89,7 +90,9 @@ class DepthProbe:
                     rows = device_tensor(tokens[start : start + runner.micro_batch], dtype=torch.int64)
                     a = device_tensor(answer[start : start + runner.micro_batch], dtype=torch.bool)
                     p = device_tensor(prompt[start : start + runner.micro_batch], dtype=torch.bool)
-                    logits = engine(rows[:, :-1].contiguous(), None, recurrences).float()
+                    inputs = rows[:, :-1].contiguous()
+                    documents = None if runner.document_eos is None else document_ids_of(inputs, runner.document_eos)
+                    logits = engine(inputs, None, recurrences, document_ids=documents).float()
                     labels = rows[:, 1:]
                     nll = -F.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
                     hit = (logits.argmax(-1) == labels) | ~a

@@ -21,6 +21,7 @@ from grt_megatron.data import DataError
 from grt_megatron.device import device_tensor, device_zeros
 from grt_megatron.distributed import DistributedInfo
 from grt_megatron.model import DepthDraw
+from grt_megatron.model.layers import document_ids_of
 from grt_megatron.model.diagnostics import recording_recurrence_stats
 from grt_megatron.parallel.deepspeed_engine import MegatronMPU
 from grt_megatron.parallel.parallelize import ParallelModel
@@ -40,12 +41,14 @@ class StepOutput:
 
 class StepRunner:
     def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
-                 loss_mask: Optional[Callable[[np.ndarray], np.ndarray]] = None):
+                 loss_mask: Optional[Callable[[np.ndarray], np.ndarray]] = None, document_eos: Optional[int] = None):
         self.engine = parallel.engine
         self.micro_batch, self.accumulation = parallel.micro_batch, parallel.accumulation
         self.cfg, self.info, self.spikes = cfg, info, spikes
         self.loss_mask = loss_mask
         """rows -> weights of the label positions the loss counts (`data.loss_on=answers`); None: all."""
+        self.document_eos = document_eos
+        """`data.reset_attention_mask`: the EOS id that closes each packed document; None: plain causal."""
 
     def train_step(self, rows: torch.Tensor, seeds: Sequence[int], draw: DepthDraw, iteration: int,
                    weights: Optional[torch.Tensor] = None) -> StepOutput:
@@ -59,19 +62,22 @@ class StepRunner:
         with `record_stats` the recurrence diagnostics of the first micro-batch (empty when unavailable)."""
         raise NotImplementedError
 
-    def _to_device(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, labels) on the device from rows of token ids (numpy, or a tensor pinned by the
-        prefetcher: then the copy does not block the host)."""
+    def _to_device(self, rows) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(tokens, labels, document ids or None) on the device from rows of token ids (numpy, or a tensor
+        pinned by the prefetcher: then the copy does not block the host). The document ids are computed
+        on the device from the tokens (`data.reset_attention_mask`)."""
         t = torch.as_tensor(rows).to(self.info.device, non_blocking=True)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        tokens = t[:, :-1].contiguous()
+        documents = None if self.document_eos is None else document_ids_of(tokens, self.document_eos)
+        return tokens, t[:, 1:].contiguous(), documents
 
 
 class PlainStepRunner(StepRunner):
     """One model replica per data-parallel rank (TP/SP inside the layers, ZeRO inside the engine)."""
 
     def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
-                 loss_mask=None):
-        super().__init__(parallel, cfg, info, spikes, loss_mask)
+                 loss_mask=None, document_eos=None):
+        super().__init__(parallel, cfg, info, spikes, loss_mask, document_eos)
         self.clips_here = parallel.clips_outside_deepspeed
 
     def train_step(self, rows, seeds, draw, iteration, weights=None):
@@ -87,9 +93,9 @@ class PlainStepRunner(StepRunner):
                 dist.all_reduce(counted, group=parallel_state.get_data_parallel_group())
             scale = self.accumulation * self.info.dp_size / counted.clamp(min=1.0)
         for index, start in enumerate(range(0, self.micro_batch * self.accumulation, self.micro_batch)):
-            tokens, labels = self._to_device(rows[start : start + self.micro_batch])
+            tokens, labels, documents = self._to_device(rows[start : start + self.micro_batch])
             per_token = self.engine(tokens, labels, draw.recurrences, draw.grad_recurrences,
-                                    seeds[start : start + self.micro_batch])
+                                    seeds[start : start + self.micro_batch], document_ids=documents)
             if weights is None:
                 loss = per_token.mean()
             else:
@@ -129,12 +135,12 @@ class PlainStepRunner(StepRunner):
         loss_sum, counted = device_zeros(dtype=torch.float64), 0  # loss summed over tokens, tokens
         stats: list[dict[str, float]] = []
         for start in range(0, len(mine), self.micro_batch):
-            tokens, labels = self._to_device(mine[start : start + self.micro_batch])
+            tokens, labels, documents = self._to_device(mine[start : start + self.micro_batch])
             if start == 0 and record_stats:
                 with recording_recurrence_stats(self.engine.module.block) as stats:
-                    loss = self.engine(tokens, labels, recurrences)
+                    loss = self.engine(tokens, labels, recurrences, document_ids=documents)
             else:
-                loss = self.engine(tokens, labels, recurrences)
+                loss = self.engine(tokens, labels, recurrences, document_ids=documents)
             if self.loss_mask is None:
                 loss_sum += loss.double().sum()
                 counted += loss.numel()
@@ -162,8 +168,8 @@ class PipelinedStepRunner(StepRunner):
     after the step (so a non-finite one is known only then) and records no recurrence diagnostics."""
 
     def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
-                 valid_samples: int):
-        super().__init__(parallel, cfg, info, spikes)
+                 valid_samples: int, document_eos: Optional[int] = None):
+        super().__init__(parallel, cfg, info, spikes, document_eos=document_eos)
         # Evaluation uses the largest share of the validation set that is whole micro-batches on every DP
         # rank, checked now rather than at the first evaluation.
         self.eval_rows_per_rank = valid_samples // (info.dp_size * self.micro_batch) * self.micro_batch
@@ -186,20 +192,22 @@ class PipelinedStepRunner(StepRunner):
         return float(loss), []
 
     def _micro_batches(self, rows, seeds: Sequence[int], depth: tuple[int, int]) -> list:
-        """((tokens, noise seeds, depth), labels) per micro-batch: what DeepSpeed's pipeline engine feeds
-        its first stage (the rest travels with the activations) and its last stage (labels)."""
+        """((tokens, noise seeds, depth[, document ids]), labels) per micro-batch: what DeepSpeed's pipeline
+        engine feeds its first stage (the rest travels with the activations) and its last stage (labels)."""
         out = []
         for start in range(0, len(rows), self.micro_batch):
-            tokens, labels = self._to_device(rows[start : start + self.micro_batch])
+            tokens, labels, documents = self._to_device(rows[start : start + self.micro_batch])
             # They travel between stages with the activations: on the device (NCCL's send/recv).
             extras = (device_tensor(seeds[start : start + self.micro_batch], dtype=torch.int64),
                       device_tensor(depth, dtype=torch.int64))
+            if documents is not None:
+                extras += (documents,)
             out.append(((tokens, *extras), labels))
         return out
 
 
 def build_step_runner(parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
-                      valid_samples: int, loss_mask=None) -> StepRunner:
+                      valid_samples: int, loss_mask=None, document_eos: Optional[int] = None) -> StepRunner:
     if parallel.pipelined:
-        return PipelinedStepRunner(parallel, cfg, info, spikes, valid_samples)
-    return PlainStepRunner(parallel, cfg, info, spikes, loss_mask)
+        return PipelinedStepRunner(parallel, cfg, info, spikes, valid_samples, document_eos)
+    return PlainStepRunner(parallel, cfg, info, spikes, loss_mask, document_eos)
