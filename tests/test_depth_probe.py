@@ -50,6 +50,22 @@ def test_chains_are_deterministic_and_every_answer_follows_from_the_bindings():
     assert seen_hops == {2, 3, 4, 5, 6}
 
 
+def _check_capital_answers(task, ex, bindings: dict, query: str, asks: str) -> None:
+    """The capital-valued styles: the scored answer (after exactly k lookups) and every further query's
+    follow the bindings, and the answer mask's pattern finds every answer, the scored one first."""
+    name, read = query, 0
+    while not name.isupper():
+        name, read = bindings[name], read + 1
+    assert ex.answer == f" {name}" and read == ex.hops
+    for asked in ex.more.split(asks)[1:]:
+        other, value = asked.split(" ")
+        while not other.isupper():
+            other = bindings[other]
+        assert value == other
+    found = task.answer_pattern.findall(ex.text + ex.more)
+    assert found[0] == ex.answer and len(found) == 1 + ex.more.count("?")
+
+
 def test_pairs_style_writes_every_binding_as_two_symbols_and_answers_follow_the_chain():
     task = parse_synthetic("synthetic:chains:hops=1-5,chains=3,examples=300,queries=4,style=pairs")
     assert parse_synthetic("synthetic:chains:hops=1-5,chains=3,examples=300,queries=4").example("train", 3) != \
@@ -61,22 +77,23 @@ def test_pairs_style_writes_every_binding_as_two_symbols_and_answers_follow_the_
         body, query = ex.prompt.rsplit(" ; ? ", 1)
         bindings = dict(b.split(" ") for b in body.split(" ; "))
         assert all(len(k) == 1 and k.islower() for k in bindings)
-        name, read = query, 0
-        while not name.isupper():
-            name, read = bindings[name], read + 1
-        assert ex.answer == f" {name}" and read == ex.hops
-        for asked in ex.more.split(" ; ? ")[1:]:
-            other, value = asked.split(" ")
-            while not other.isupper():
-                other = bindings[other]
-            assert value == other
-        # the answer mask's pattern finds every answer, the scored one first
-        found = task.answer_pattern.findall(ex.text + ex.more)
-        assert found[0] == ex.answer and len(found) == 1 + ex.more.count("?")
+        _check_capital_answers(task, ex, bindings, query, " ; ? ")
     with pytest.raises(DataError, match=re.escape("k=14 with chains=2 needs 28 distinct variables; there are 26 (a-z)")):
         parse_synthetic("synthetic:chains:hops=14,style=pairs")
-    with pytest.raises(DataError, match=re.escape("style=arrows is not one of equals, pairs")):
+    with pytest.raises(DataError, match=re.escape("style=arrows is not one of equals, pairs, fused")):
         parse_synthetic("synthetic:chains:style=arrows")
+
+
+def test_fused_style_writes_every_binding_as_one_word_and_answers_follow_the_chain():
+    task = parse_synthetic("synthetic:chains:hops=1-8,chains=2,examples=300,queries=3,style=fused")
+    # Pinned, as the other styles' first example.
+    assert task.example("train", 1).text == "jH wD ? w D"
+    for i in range(300):
+        ex = task.example("train", i)
+        body, query = ex.prompt.rsplit(" ? ", 1)
+        words = body.split(" ")
+        assert len(words) == 2 * ex.hops and all(len(w) == 2 and w[0].islower() for w in words)
+        _check_capital_answers(task, ex, {w[0]: w[1] for w in words}, query, " ? ")
 
 
 def test_more_queries_ask_other_variables_after_the_same_scored_problem():

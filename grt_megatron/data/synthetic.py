@@ -51,6 +51,8 @@ class ChainStyle(NamedTuple):
     binding: str
     query: str
     answer: re.Pattern
+    separator: str = " ; "
+    """Between bindings."""
 
 
 STYLES = {
@@ -62,6 +64,12 @@ STYLES = {
                          re.compile(r"\?\s*\S+?\s*=(\s*\d+)")),
     "pairs": ChainStyle(string.ascii_lowercase, "ABCDEFGHIJ", "{} {}", " ; ? {}",
                         re.compile(r"\?\s*[a-z](\s*[A-J])")),
+    # `fused` writes a binding as one word, `qj` (one token for a tokenizer trained on the task, vocabulary
+    # 1,024): a lookup is then one attention step (the query `q` finds the token whose left half is q and
+    # reads its right half), with no previous-token head to form first; k hops need k such steps, each
+    # reading what the one before found, so the layers (or recurrences) needed grow with k.
+    "fused": ChainStyle(string.ascii_lowercase, "ABCDEFGHIJ", "{}{}", " ? {}",
+                        re.compile(r"\?\s*[a-z](\s*[A-J])"), separator=" "),
 }
 
 
@@ -138,7 +146,7 @@ class ChainsTask:
             bindings.extend((chain[i], chain[i - 1]) for i in range(1, k))
         rng.shuffle(bindings)
         query = rng.randrange(self.chains)
-        prompt = " ; ".join(style.binding.format(left, right) for left, right in bindings)
+        prompt = style.separator.join(style.binding.format(left, right) for left, right in bindings)
         prompt += style.query.format(names[query * k + k - 1])
         more = ""
         if self.queries > 1:  # drawn after everything above, so queries=1 gives the same examples as before
