@@ -161,6 +161,20 @@ def test_prepare_writes_the_task_and_the_prefix_names_it(pydoc_prefix, tmp_path)
     check_probe_corpus(parse_synthetic(spec), [str(pydoc_prefix[0]), str(tmp_path / "chains")])  # they agree
     with pytest.raises(DataError, match=re.escape(f"differs from the task {tmp_path / 'chains'} was prepared from")):
         check_probe_corpus(parse_synthetic("synthetic:chains:hops=1-3,examples=500"), [str(tmp_path / "chains")])
+    # A curriculum blend (the same format at other hops): the probe holds its examples out of both corpora.
+    one_hop = "synthetic:chains:hops=1,examples=3000,seed=7"
+    assert run_prepare(["--input", one_hop, "--tokenizer", tokenizer, "--output-prefix", str(tmp_path / "one"),
+                        "--no-progress"]).returncode == 0
+    trained = check_probe_corpus(parse_synthetic(spec), [str(tmp_path / "one"), str(tmp_path / "chains")])
+    assert trained == [parse_synthetic(one_hop), parse_synthetic(spec)]
+    alone = {ex.prompt for ex in parse_synthetic(spec).validation(1, 300)}
+    blended = {ex.prompt for ex in parse_synthetic(spec).validation(1, 300, trained)}
+    one_hop_prompts = {parse_synthetic(one_hop).example("train", i).prompt for i in range(3000)}
+    assert alone & one_hop_prompts and not blended & one_hop_prompts  # the blend's prompts are held out too
+    with pytest.raises(DataError, match="must share the probe's style and chains"):
+        run_prepare(["--input", "synthetic:chains:hops=1,examples=50,style=pairs", "--tokenizer", tokenizer,
+                     "--output-prefix", str(tmp_path / "pairs"), "--no-progress"])
+        check_probe_corpus(parse_synthetic(spec), [str(tmp_path / "pairs"), str(tmp_path / "chains")])
     with pytest.raises(DataError, match="not from exactly one synthetic task"):
         resolve_task(str(pydoc_prefix[0]))
     with pytest.raises(DataError, match="neither a synthetic:NAME"):

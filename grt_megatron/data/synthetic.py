@@ -161,11 +161,15 @@ class ChainsTask:
             ex = self.example("train", index)
             yield ex.text + ex.more
 
-    def validation(self, hops: int, count: int) -> list[ProbeExample]:
-        """`count` held-out examples at exactly `hops` (none of whose prompts is in the training corpus)."""
+    def validation(self, hops: int, count: int, also_trained: Sequence["ChainsTask"] = ()) -> list[ProbeExample]:
+        """`count` held-out examples at exactly `hops`: none of whose prompts is in the training corpus, nor
+        in that of `also_trained` (the other corpora of a blend, `check_probe_corpus`)."""
         self.check_hops(hops)
-        lo, hi = self.hops
-        seen = _training_prompts(self) if lo <= hops <= hi else frozenset()
+        seen: frozenset[str] = frozenset()
+        for corpus in {self, *also_trained}:
+            lo, hi = corpus.hops
+            if lo <= hops <= hi:
+                seen = seen | _training_prompts(corpus)
         out, index = [], 0
         while len(out) < count:
             ex = self.example("valid", index, hops)
@@ -211,18 +215,26 @@ def synthetic_spec_of_prefix(prefix: str) -> str | None:
     return specs[0] if len(specs) == 1 == len(inputs) else None
 
 
-def check_probe_corpus(task: ChainsTask, prefixes) -> None:
-    """Refuse a probe whose task has the name of a training corpus's synthetic task but other options: its
-    held-out examples would be held out from another corpus than the one trained on (or from none)."""
+def check_probe_corpus(task: ChainsTask, prefixes) -> list[ChainsTask]:
+    """The training corpora of the probe's task name (the probe holds its examples out of all of them).
+    Refused: a probe task that is none of them (its examples would be held out from another corpus than the
+    one trained on), and a blend of them in other formats (style, chains) than the probe scores. A blend of
+    the same format at other hops or query counts is a curriculum: e.g. one-hop chains beside 1-4 hops."""
+    corpora = {}
     for prefix in prefixes:
         spec = synthetic_spec_of_prefix(prefix)
-        if spec is None:
-            continue
-        corpus = parse_synthetic(spec)
-        if corpus.name == task.name and corpus != task:
-            raise DataError(f"probe.task {task} differs from the task {prefix} was prepared from ({spec}): the "
-                            f"probe's examples are held out from the corpus trained on only when they agree; "
-                            f"set probe.task={prefix}")
+        if spec is not None and parse_synthetic(spec).name == task.name:
+            corpora[prefix] = (spec, parse_synthetic(spec))
+    if corpora and task not in [corpus for _, corpus in corpora.values()]:
+        prefix, (spec, _) = next(iter(corpora.items()))
+        raise DataError(f"probe.task {task} differs from the task {prefix} was prepared from ({spec}): the "
+                        f"probe's examples are held out from the corpus trained on only when they agree; "
+                        f"set probe.task={prefix}")
+    for prefix, (spec, corpus) in corpora.items():
+        if (corpus.style, corpus.chains) != (task.style, task.chains):
+            raise DataError(f"data.prefixes blend {prefix} ({spec}) with probe.task {task}: a blend's synthetic "
+                            "corpora must share the probe's style and chains (the format it scores)")
+    return [corpus for _, corpus in corpora.values()]
 
 
 def probe_hops(task: ChainsTask, requested=()) -> list[int]:

@@ -69,10 +69,10 @@ class DepthProbe:
 
     def __init__(self, cfg, tokenizer, seq_length: int, pad_multiple: int = 1, prefixes=()):
         task = resolve_task(cfg.task)
-        check_probe_corpus(task, prefixes)
+        trained = check_probe_corpus(task, prefixes)
         hops = probe_hops(task, cfg.hops)
-        self.sets = [encode_probe_set(task.validation(k, cfg.examples), tokenizer, seq_length, k, pad_multiple)
-                     for k in hops]
+        self.sets = [encode_probe_set(task.validation(k, cfg.examples, trained), tokenizer, seq_length, k,
+                                      pad_multiple) for k in hops]
 
     @torch.no_grad()
     def evaluate(self, runner, recurrences=None) -> dict[str, float]:
