@@ -19,8 +19,7 @@ def _common(model, prefix):
 @pytest.fixture(scope="module")
 def references(pydoc_prefix, tmp_path_factory):
     out = {}
-    for name in ("tiny", "tiny_dense", "tiny_ouro", "tiny_rrt", "tiny+documents"):
-        model, *extra = REFERENCES[name]
+    for name, (model, *extra) in REFERENCES.items():
         run_dir = tmp_path_factory.mktemp("ref") / name
         proc = run_cli([*_common(model, pydoc_prefix[0]), *extra, f"run.dir={run_dir}"])
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -65,7 +65,7 @@ STYLES = {
     "pairs": ChainStyle(string.ascii_lowercase, "ABCDEFGHIJ", "{} {}", " ; ? {}",
                         re.compile(r"\?\s*[a-z](\s*[A-J])")),
     # `fused` writes a binding as one word, `qj` (one token for a tokenizer trained on the task, vocabulary
-    # 1,024): a lookup is then one attention step (the query `q` finds the token whose left half is q and
+    # 1,400; 1,024 and 1,200 split some): a lookup is then one attention step (the query `q` finds the token whose left half is q and
     # reads its right half), with no previous-token head to form first; k hops need k such steps, each
     # reading what the one before found, so the layers (or recurrences) needed grow with k.
     "fused": ChainStyle(string.ascii_lowercase, "ABCDEFGHIJ", "{}{}", " ? {}",
@@ -223,8 +223,9 @@ def check_probe_corpus(task: ChainsTask, prefixes) -> list[ChainsTask]:
     corpora = {}
     for prefix in prefixes:
         spec = synthetic_spec_of_prefix(prefix)
-        if spec is not None and parse_synthetic(spec).name == task.name:
-            corpora[prefix] = (spec, parse_synthetic(spec))
+        corpus = None if spec is None else parse_synthetic(spec)
+        if corpus is not None and corpus.name == task.name:
+            corpora[prefix] = (spec, corpus)
     if corpora and task not in [corpus for _, corpus in corpora.values()]:
         prefix, (spec, _) = next(iter(corpora.items()))
         raise DataError(f"probe.task {task} differs from the task {prefix} was prepared from ({spec}): the "

@@ -23,17 +23,24 @@ class StepInputs:
     noise_seeds: Optional[Sequence[int]] = None
 
 
+def later_positions(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] booleans, True where the key comes after the query: what causal attention forbids."""
+    return torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)
+
+
 def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
     """[b, s] document index of every position -> [b, 1, s, s] mask, True where attention is forbidden:
     a token attends causally within its own document only (Megatron-LM's `--reset-attention-mask`)."""
-    s = document_ids.shape[1]
-    later = torch.triu(torch.ones(s, s, dtype=torch.bool, device=document_ids.device), diagonal=1)
+    later = later_positions(document_ids.shape[1], document_ids.device)
     return (later | (document_ids[:, :, None] != document_ids[:, None, :])).unsqueeze(1)
 
 
-def document_ids_of(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+def document_ids_of(tokens: torch.Tensor, eos_id: Optional[int]) -> Optional[torch.Tensor]:
     """[b, s] tokens -> [b, s] document index: the number of EOS tokens strictly before each position, so
-    an EOS closes its document (as Megatron-LM resets attention after each end-of-document token)."""
+    an EOS closes its document (as Megatron-LM resets attention after each end-of-document token).
+    `eos_id` None (no `data.reset_attention_mask`): None, plain causal attention."""
+    if eos_id is None:
+        return None
     eos = (tokens == eos_id).to(torch.int32)
     return eos.cumsum(dim=1) - eos
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from grt_megatron.model.config import GRTConfig, mor_capacity
 from grt_megatron.model.init import piece_rng
-from grt_megatron.model.layers import StepInputs, run_layers
+from grt_megatron.model.layers import StepInputs, later_positions, run_layers
 
 
 def build_routers(config: GRTConfig, init_seed: int) -> torch.nn.ModuleList:
@@ -42,8 +42,7 @@ def active_inputs(inputs: StepInputs, active: torch.Tensor) -> StepInputs:
     positions = active.transpose(0, 1)  # [b, n]
     rows = torch.arange(b, device=active.device)[:, None, None]
     mask = inputs.attention_mask[rows, 0, positions[:, :, None], positions[:, None, :]]  # [b, n, n]
-    later = torch.triu(torch.ones(n, n, dtype=torch.bool, device=active.device), diagonal=1)
-    return dataclasses.replace(inputs, attention_mask=(mask | later).unsqueeze(1))
+    return dataclasses.replace(inputs, attention_mask=(mask | later_positions(n, active.device)).unsqueeze(1))
 
 
 def run_mor(block, h_pre: torch.Tensor, inputs: StepInputs, recurrences: int) -> torch.Tensor:

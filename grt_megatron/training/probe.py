@@ -91,7 +91,7 @@ class DepthProbe:
                     a = device_tensor(answer[start : start + runner.micro_batch], dtype=torch.bool)
                     p = device_tensor(prompt[start : start + runner.micro_batch], dtype=torch.bool)
                     inputs = rows[:, :-1].contiguous()
-                    documents = None if runner.document_eos is None else document_ids_of(inputs, runner.document_eos)
+                    documents = document_ids_of(inputs, runner.document_eos)
                     logits = engine(inputs, None, recurrences, document_ids=documents).float()
                     labels = rows[:, 1:]
                     nll = -F.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)

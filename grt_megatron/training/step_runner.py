@@ -68,8 +68,7 @@ class StepRunner:
         on the device from the tokens (`data.reset_attention_mask`)."""
         t = torch.as_tensor(rows).to(self.info.device, non_blocking=True)
         tokens = t[:, :-1].contiguous()
-        documents = None if self.document_eos is None else document_ids_of(tokens, self.document_eos)
-        return tokens, t[:, 1:].contiguous(), documents
+        return tokens, t[:, 1:].contiguous(), document_ids_of(tokens, self.document_eos)
 
 
 class PlainStepRunner(StepRunner):
