@@ -111,7 +111,7 @@ def test_gpu_check_in_cpu_mode_passes_every_check(tmp_path):
             "grt_over_dense_flops_per_s", "mfu_grt_medium_compiled", "mfu_dense_medium_compiled",
             "grt_over_dense_flops_per_s_compiled", "host_stall_s_grt_medium", "medium", "medium_compiled"
             } <= report.keys()
-    assert report["mode"] == "cpu" and report["wall_s"] > 0
+    assert report["mode"] == "cpu" and report["wall_s"] > 0 and report["complete"] is True
     checks = {c["name"]: c for c in report["checks"]}
     assert list(checks) == list(gpu_check.CHECKS)
     assert all(set(c) >= {"name", "passed", "detail"} for c in report["checks"])
