@@ -76,6 +76,59 @@ def test_time_guard_refuses_to_start_when_spent():
         clock.timeout(30)
 
 
+def test_a_failed_check_is_summarised_by_its_error_line_not_a_warning_after_it(monkeypatch):
+    def failing(ctx):
+        raise gpu_check.CheckFailed("worker-3-hf: exit status 1\nTraceback (most recent call last):\n"
+                                    "TypeError: __init__() got an unexpected keyword argument 'cache'\n"
+                                    "[rank0]:[W1204] Warning: destroy_process_group() was not called")
+
+    monkeypatch.setitem(gpu_check.CHECK_FUNCTIONS, "hf_logits", failing)
+    ctx = gpu_check.Context(mode=gpu_check.mode_for(cuda=False, steps=None), work=REPO, clock=gpu_check.Clock(9.0),
+                            env={})
+    row = gpu_check.run_check(ctx, "hf_logits")
+    assert not row["passed"]
+    assert row["summary"] == ("worker-3-hf: exit status 1 ... "
+                              "TypeError: __init__() got an unexpected keyword argument 'cache'")
+
+
+def test_checks_skipped_now_are_carried_from_an_earlier_report(tmp_path):
+    earlier = {"device": "NVIDIA H200", "torch": "2.11.0+cu130", "date": "2026-12-04T11:01:41+0000", "mode": "cuda",
+               "checks": [{"name": "kill_resume_bf16", "passed": True, "wall_s": 59.2, "summary": "bit-exact",
+                           "detail": {}},
+                          {"name": "hf_logits", "passed": False, "wall_s": 0.0, "summary": "x", "detail": {}}]}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    carried = gpu_check.carried_checks(path, ["kill_resume_bf16", "medium_compiled"], "cuda")
+    assert list(carried) == ["kill_resume_bf16"]  # hf_logits runs again; medium_compiled was never there
+    assert carried["kill_resume_bf16"]["passed"] and carried["kill_resume_bf16"]["carried_from"] == {
+        "date": "2026-12-04T11:01:41+0000", "torch": "2.11.0+cu130", "device": "NVIDIA H200"}
+    with pytest.raises(SystemExit, match="earlier.json: a cuda-mode report; this run is cpu mode"):
+        gpu_check.carried_checks(path, ["kill_resume_bf16"], "cpu")
+    path.write_text("{not json")
+    with pytest.raises(SystemExit, match="earlier.json: not a gpu_check report"):
+        gpu_check.carried_checks(path, ["kill_resume_bf16"], "cuda")
+
+
+def test_profile_summary_names_host_ops_kernels_and_waits():
+    """tools/bench/gpu_mfu.py's breakdown of the profiled step, on a CPU profile (no kernels there)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(REPO))
+    from tools.bench.gpu_mfu import profile_top
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        a = torch.randn(64, 64)
+        for _ in range(3):
+            a = a @ a
+        a.sum().item()
+    top = profile_top(prof, rows=4)
+    assert len(top["top_host_ops"]) == 4 and all(ms >= 0 and count >= 1 for _, ms, count in top["top_host_ops"])
+    assert ["aten::matmul", 3] in [[name, count] for name, _, count in top["top_host_ops"] + top["top_kernels"]] \
+        or any(name == "aten::mm" for name, _, _ in top["top_host_ops"])
+    assert any(name == "aten::item" and count == 1 for name, _, count in top["host_waits"])
+
+
 def test_a_refused_deterministic_mode_is_recorded_and_the_run_repeated_without_it(tmp_path, monkeypatch):
     ctx = gpu_check.Context(mode=gpu_check.mode_for(cuda=True, steps=None), work=tmp_path,
                             clock=gpu_check.Clock(100.0), env={})

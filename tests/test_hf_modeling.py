@@ -31,6 +31,9 @@ from transformers import AutoModelForCausalLM
 def load(**kw):
     return AutoModelForCausalLM.from_pretrained("copy", trust_remote_code=True, **kw)
 
+def cache_of(out):  # the outputs' field: `cache` from transformers 5.24, `past_key_values` before
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
 def close(a, b, atol):
     return (a - b).abs().max().item() <= atol
 
@@ -63,6 +66,10 @@ def alone(folder, tmp_path, body: str) -> str:
     # MASTER_PORT): accelerate would read them and start a process group on that taken port.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in LAUNCHER_VARIABLES}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")  # never shared with another test run's copies
+    # GRT_HF_CLIENT_PYTHONPATH: another transformers to be the client (e.g. an older one installed with
+    # `pip install --target`), to check that an export runs under the versions its users have.
+    if os.environ.get("GRT_HF_CLIENT_PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["GRT_HF_CLIENT_PYTHONPATH"]
     proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -126,19 +133,19 @@ def test_cache_under_both_names_and_unknown_keywords_refused(folder, tmp_path):
     with torch.no_grad():
         full = model(ids).logits
         head = model(ids[:, :-3], use_cache=True)
-        by_old_name = model(ids[:, -3:], past_key_values=head.cache).logits
+        by_old_name = model(ids[:, -3:], past_key_values=cache_of(head)).logits
         head = model(ids[:, :-3], use_cache=True)
-        by_new_name = model(ids[:, -3:], cache=head.cache).logits
+        by_new_name = model(ids[:, -3:], cache=cache_of(head)).logits
     assert by_old_name.shape == (2, 3, 2048)
     assert close(by_old_name, full[:, -3:], 1e-5) and close(by_new_name, full[:, -3:], 1e-5)
-    for call in (lambda: model(ids, foo=1), lambda: model.model(ids, past_key_value=head.cache)):
+    for call in (lambda: model(ids, foo=1), lambda: model.model(ids, past_key_value=cache_of(head))):
         try:
             call()
             raise SystemExit("an unknown keyword was accepted")
         except TypeError as err:
             assert "'foo'" in str(err) or "'past_key_value'" in str(err), err
     try:
-        model(ids, cache=head.cache, past_key_values=head.cache)
+        model(ids, cache=cache_of(head), past_key_values=cache_of(head))
         raise SystemExit("two caches accepted")
     except ValueError as err:
         assert "not both" in str(err)
@@ -158,7 +165,7 @@ def test_activation_checkpointing_gives_the_same_gradients(folder, tmp_path):
         runs[0] = 0
         out = model(ids, labels=ids)
         out.loss.backward()
-        return {{n: p.grad.clone() for n, p in model.named_parameters()}}, runs[0], out.cache
+        return {{n: p.grad.clone() for n, p in model.named_parameters()}}, runs[0], cache_of(out)
 
     plain, plain_runs, _ = gradients()
     model.gradient_checkpointing_enable()
@@ -285,7 +292,7 @@ def test_generation_config_sets_recurrences_cache_and_exit(folder, tmp_path):
     def logits(**kw):
         out = model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False,
                              return_dict_in_generate=True, output_logits=True, **kw)
-        return torch.stack(out.logits), out.cache
+        return torch.stack(out.logits), cache_of(out)
 
     def config(**kw):
         return GenerationConfig(max_new_tokens=4, min_new_tokens=4, do_sample=False, return_dict_in_generate=True,
@@ -297,10 +304,10 @@ def test_generation_config_sets_recurrences_cache_and_exit(folder, tmp_path):
         one, _ = logits(num_recurrences=1)
         out = model.generate(prompt, generation_config=config(num_recurrences=1))
         assert close(torch.stack(out.logits), one, 0) and not close(one, default, 1e-3)
-        assert len(out.cache.layers) == {P + K + C}
+        assert len(cache_of(out).layers) == {P + K + C}
         averaged, _ = logits(kv_cache="average")
         out = model.generate(prompt, generation_config=config(kv_cache="average"))
-        assert close(torch.stack(out.logits), averaged, 0) and len(out.cache.layers) == {P + K + C}
+        assert close(torch.stack(out.logits), averaged, 0) and len(cache_of(out).layers) == {P + K + C}
         model.generate(prompt, generation_config=config(exit_threshold=10.0))
         assert model.last_recurrences.eq(1).all()
         model.generation_config.num_recurrences = 1  # the model's own generation config too

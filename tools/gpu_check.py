@@ -607,7 +607,10 @@ def run_check(ctx: Context, name: str) -> dict:
         passed, detail, summary = CHECK_FUNCTIONS[name](ctx)
     except CheckFailed as err:
         lines = str(err).splitlines()
-        passed, detail, summary = False, {"error": str(err)}, " ... ".join(dict.fromkeys([lines[0], lines[-1]]))
+        # The line that names the error, not a warning printed after it (NCCL's at exit, say).
+        errors = [line for line in lines[1:] if re.search(r"\w(Error|Exception)\b|^\s*error:", line)]
+        last = errors[-1] if errors else lines[-1]
+        passed, detail, summary = False, {"error": str(err)}, " ... ".join(dict.fromkeys([lines[0], last]))
     except Exception:  # noqa: BLE001 — a broken check is recorded, and the next one runs
         error = tail(traceback.format_exc(), 15)
         passed, detail, summary = False, {"error": error}, error.splitlines()[-1]
@@ -633,9 +636,26 @@ def print_table(report: dict) -> None:
     for column in ("check", "result", "s", "summary"):
         table.add_column(column, overflow="fold")
     for check in report["checks"]:
+        carried = f" (carried from {check['carried_from']['date'][:10]})" if "carried_from" in check else ""
         table.add_row(check["name"], "[green]pass[/]" if check["passed"] else "[red]FAIL[/]", f"{check['wall_s']:.0f}",
-                      check["summary"])
+                      check["summary"] + carried)
     Console(width=160).print(table)
+
+
+def carried_checks(path: Optional[Path], skipped: list[str], mode: str) -> dict[str, dict]:
+    """The skipped checks' entries of an earlier report of the same mode, each marked with the date, torch and
+    device it ran with."""
+    if path is None:
+        return {}
+    try:
+        earlier = json.loads(path.read_text())
+        if earlier["mode"] != mode:
+            raise SystemExit(f"error: --previous {path}: a {earlier['mode']}-mode report; this run is {mode} mode")
+        return {c["name"]: {**c, "carried_from": {"date": earlier["date"], "torch": earlier["torch"],
+                                                  "device": earlier["device"]}}
+                for c in earlier["checks"] if c["name"] in skipped}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"error: --previous {path}: not a gpu_check report ({type(err).__name__}: {err})")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -646,6 +666,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--skip", action="append", default=[], choices=CHECKS, metavar="NAME",
                         help=f"skip a check (repeatable): {', '.join(CHECKS)}")
     parser.add_argument("--steps", type=int, default=None, help="steps of the bf16 CLI runs (default 50; CPU 8)")
+    parser.add_argument("--previous", type=Path, default=None,
+                        help="an earlier report of this machine: the checks skipped now are carried from it, "
+                             "marked with its date (to rerun only what failed when device time is short)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for all checks (default 540 on CUDA, 600 on CPU); a check that would start "
                              "after it fails as 'not run'")
@@ -676,9 +699,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             "medium": ctx.results.get("medium", {}), "medium_compiled": ctx.results.get("medium_compiled", {}),
         }
 
+    previous = carried_checks(args.previous, args.skip, mode.name)
     checks = []
     for name in CHECKS:
         if name in args.skip:
+            if name in previous:
+                checks.append(previous[name])
+                log(clock, f"carried {name} from {args.previous}: {'PASS' if previous[name]['passed'] else 'FAIL'}")
             continue
         checks.append(run_check(ctx, name))
         # After every check: a run stopped from outside (a lease running out) still leaves what it measured.
@@ -688,7 +715,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     print_table(final)
-    failed = [c["name"] for c in checks if not c["passed"]]
+    failed = [c["name"] for c in checks if not c["passed"]]  # carried ones included: the report is one table
     log(clock, f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; failed: {', '.join(failed)}"
                                                                             if failed else "") + f"; {args.output}")
     return 1 if failed else 0

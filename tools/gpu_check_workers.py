@@ -159,6 +159,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _quiet_imports()
     write_json_atomically(args.result, WORKERS[args.worker](args))
+    from grt_megatron.distributed import destroy_distributed
+
+    destroy_distributed()  # else NCCL warns at exit, and that warning buries a failure's error line
     return 0
 
 

@@ -40,6 +40,11 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+# transformers 5.24 renamed the outputs' `past_key_values` field to `cache`. An export is run by whatever
+# transformers its user has, so the outputs carry the cache under the field that version has (both accept
+# either name as an argument).
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 from transformers.utils import logging
 
 from .configuration_grt import GRTConfig
@@ -409,7 +414,7 @@ class GRTModel(GRTPreTrainedModel):
         if hidden:
             states[-1] = out
         self.last_recurrences = ran
-        output = BaseModelOutputWithPast(last_hidden_state=out, cache=cache,
+        output = BaseModelOutputWithPast(last_hidden_state=out, **{CACHE_FIELD: cache},
                                          hidden_states=tuple(states) if hidden else None)
         return output if return_dict else output.to_tuple()
 
@@ -485,7 +490,8 @@ class GRTForCausalLM(GRTPreTrainedModel, GenerationMixin):
                 loss = F.cross_entropy(pred, target, ignore_index=-100, reduction="sum")
                 loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                                else num_items_in_batch)
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: getattr(out, CACHE_FIELD)},
+                                        hidden_states=out.hidden_states)
         return output if return_dict else output.to_tuple()
 
     def _prepare_generation_config(self, generation_config, *args, **kwargs):

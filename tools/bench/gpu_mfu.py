@@ -60,9 +60,44 @@ def kernel_busy_seconds(step) -> dict:
             torch.cuda.synchronize()
         kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA]
+        top = profile_top(prof)
     except Exception as err:  # noqa: BLE001 — a profiler that cannot run must not lose the throughput row
         return {"kernel_busy_s": None, "kernels": None, "profiler_error": f"{type(err).__name__}: {err}"}
-    return {"kernel_busy_s": _busy_seconds(kernels) / 1e6, "kernels": len(kernels)}  # microseconds -> s
+    return {"kernel_busy_s": _busy_seconds(kernels) / 1e6, "kernels": len(kernels), **top}  # microseconds -> s
+
+
+def profile_top(prof, rows: int = 12) -> dict:
+    """Where the profiled step's time went, for finding host stalls without another device run: the ops
+    with the most host (self CPU) time, the kernels with the most device time, and the calls that make
+    the host wait for the device (synchronisations, device-to-host copies), in milliseconds."""
+    averages = prof.key_averages()
+
+    def device_ms(a) -> float:
+        return getattr(a, "self_device_time_total", getattr(a, "self_cuda_time_total", 0.0)) / 1e3
+
+    host = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:rows]
+    device = sorted(averages, key=device_ms, reverse=True)[:rows]
+    waits = [a for a in averages if any(w in a.key for w in ("Synchronize", "cudaMemcpy", "item", "_local_scalar"))]
+    return {"top_host_ops": [[a.key, round(a.self_cpu_time_total / 1e3, 3), a.count] for a in host],
+            "top_kernels": [[a.key[:120], round(device_ms(a), 3), a.count] for a in device],
+            "host_waits": [[a.key, round(a.self_cpu_time_total / 1e3, 3), a.count] for a in waits]}
+
+
+def phase_seconds(engine, x, y, r: int, batch: int) -> dict:
+    """One more step with the device synchronised after forward, backward and the optimizer step: how the
+    step's wall time splits between them."""
+    out, start = {}, time.perf_counter()
+    torch.cuda.synchronize()
+    loss = engine(x, y, r, r, list(range(batch))).mean()
+    torch.cuda.synchronize()
+    out["forward_s"], start = time.perf_counter() - start, time.perf_counter()
+    engine.backward(loss)
+    torch.cuda.synchronize()
+    out["backward_s"], start = time.perf_counter() - start, time.perf_counter()
+    engine.step()
+    torch.cuda.synchronize()
+    out["optimizer_s"] = time.perf_counter() - start
+    return out
 
 
 def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: int, precision: str = "bf16",
@@ -113,6 +148,7 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
         losses.append(float(loss.detach()))
     step_s = statistics.median(times)
     busy = kernel_busy_seconds(step) if cuda else {"kernel_busy_s": None}
+    phases = phase_seconds(engine, x, y, r, batch) if cuda else {}
     # How long the GPU waits for the host per step: launch overhead, syncs, Python between kernels.
     stall = None if busy["kernel_busy_s"] is None else max(0.0, step_s - busy["kernel_busy_s"])
     flops = train_flops_per_token(model_cfg, seq, DepthDraw(r, r)) * batch * seq / step_s
@@ -125,7 +161,8 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "losses": losses,
             "compiled": compile, "compiled_graphs": compiled_graphs() if compile else None,
             "first_step_s": first_step_s, "layer_spec": model_cfg.layer_spec,
-            "fusions": [name for name in FUSION_FIELDS if getattr(model_cfg, name)], "host_stall_s": stall, **busy}
+            "fusions": [name for name in FUSION_FIELDS if getattr(model_cfg, name)], "host_stall_s": stall, **busy,
+            "phases": phases}
 
 
 # The fields of this benchmark's JSON (measure_training_step returns more).
