@@ -55,6 +55,8 @@ LAYOUTS = [
     # the depth-reuse baselines' own modules (exit head, per-recursion LoRA) come back too
     ("ouro-dp2-zero1", 2, ["model=tiny_ouro", "deepspeed.zero_stage=1"]),
     ("rrt-1p", 1, ["model=tiny_rrt"]),
+    # torch's fused AdamW under DeepSpeed's BF16 optimizer (its step count lives with the parameters)
+    ("1p-bf16-fused-adam", 1, ["train.precision=bf16", "train.fused_adam=true"]),
 ]
 
 

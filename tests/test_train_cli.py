@@ -91,6 +91,21 @@ def test_bf16_dense_deepspeed_optimizer_and_offline_wandb(tmp_path):
     assert len(offline) == 1 and offline[0].stat().st_size > 0  # a real wandb run, syncable later
 
 
+def test_fused_adam_trains_as_the_default_adam_within_rounding(tmp_path):
+    """torch's fused AdamW and its default implementation compute the same update (other rounding)."""
+    curves = {}
+    for fused in ("false", "true"):
+        proc = run_cli(["model=tiny", "train.iters=4", "train.precision=bf16", f"train.fused_adam={fused}",
+                        f"run.dir={tmp_path / fused}", "logging.wandb=disabled", "logging.progress=false"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        curves[fused] = [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(tmp_path / fused / "metrics.jsonl")
+                         if "split" not in r]
+    assert [s for s, _, _ in curves["true"]] == [1, 2, 3, 4]
+    assert curves["true"][0] == curves["false"][0]  # the first loss comes before any update
+    for (_, a, ga), (_, b, gb) in zip(curves["true"], curves["false"]):
+        assert a == pytest.approx(b, rel=1e-3) and ga == pytest.approx(gb, rel=1e-2)
+
+
 @pytest.mark.parametrize("args,needle", [
     (["train.precision=fp16"], "train.precision='fp16' is not one of fp32, bf16"),
     (["+train.iterz=3"], "config key train.iterz"),
@@ -105,6 +120,7 @@ def test_bf16_dense_deepspeed_optimizer_and_offline_wandb(tmp_path):
     (["train.grad_clip=-1"], "train.grad_clip=-1.0 is not valid: it must be a finite number >= 0 (0 or null: no"),
     (["model.hidden_size=-128"], "model.hidden_size must be >= 1, got -128"),
     (["train.skip_loss_spikes=true"], "train.skip_loss_spikes=true needs train.loss_spike_factor"),
+    (["train.fused_adam=true", "train.optimizer=deepspeed"], "train.fused_adam=true applies to train.optimizer=torch"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, args, needle):
     proc = run_cli(["model=tiny", "train.iters=2", f"run.dir={tmp_path / 'run'}", *QUIET, *args])

@@ -95,11 +95,13 @@ class OptimizerState:
     def materialize(self) -> None:
         """Create AdamW's state (step 0, zero moments) where it does not exist yet, as its first step
         would, so that a checkpoint's moments can be written into it before any step has run."""
+        # Where torch's AdamW keeps its step count: on the host, but on the parameters' device when fused
+        # or capturable (its kernels read it there).
+        on_device = any(g.get("fused") or g.get("capturable") for g in self.base.param_groups)
         for flat in self.flats:
             state = self.base.state[flat]
-            # On the host, where torch's AdamW keeps its step count (unless fused or capturable).
             if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else "cpu")
             for key in MOMENTS:
                 if key not in state:  # not `setdefault`: that would allocate and zero a flat buffer each time
                     state[key] = torch.zeros_like(flat)

@@ -115,7 +115,9 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, dp_size: int, clip_in_d
     groups = param_groups(model, t.weight_decay)
     optimizer = None
     if t.optimizer == "torch":
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
+        # fused=None is torch's default implementation (foreach on CUDA, a loop on CPU).
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps,
+                                      fused=True if t.fused_adam else None)
     # A PipelineModule brings its own process grid (from its topology); DeepSpeed refuses an mpu then.
     pipelined = isinstance(model, deepspeed.pipe.PipelineModule)
     engine, _, _, _ = deepspeed.initialize(
