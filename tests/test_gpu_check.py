@@ -129,6 +129,14 @@ def test_profile_summary_names_host_ops_kernels_and_waits():
     assert any(name == "aten::item" and count == 1 for name, _, count in top["host_waits"])
 
 
+def test_train_overrides_reach_the_cli_runs(tmp_path):
+    ctx = gpu_check.Context(mode=gpu_check.mode_for(cuda=True, steps=None), work=tmp_path,
+                            clock=gpu_check.Clock(100.0), env={})
+    ctx.results.update(corpus="corpus", train_overrides=[*gpu_check.TRAIN_OVERRIDES, "train.fused_adam=true"])
+    args = gpu_check.train_args(ctx, tmp_path / "run", "resume=auto")
+    assert "train.fused_adam=true" in args and "train.deterministic=true" in args and args[-1] == "resume=auto"
+
+
 def test_a_refused_deterministic_mode_is_recorded_and_the_run_repeated_without_it(tmp_path, monkeypatch):
     ctx = gpu_check.Context(mode=gpu_check.mode_for(cuda=True, steps=None), work=tmp_path,
                             clock=gpu_check.Clock(100.0), env={})

@@ -669,6 +669,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--previous", type=Path, default=None,
                         help="an earlier report of this machine: the checks skipped now are carried from it, "
                              "marked with its date (to rerun only what failed when device time is short)")
+    parser.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a grt-train override for the CLI runs (repeatable), e.g. train.fused_adam=true to "
+                             "check an option on the device before it becomes a default")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for all checks (default 540 on CUDA, 600 on CPU); a check that would start "
                              "after it fails as 'not run'")
@@ -686,6 +689,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     clock = Clock(args.budget or TIME_BUDGET_S[mode.name])
     ctx = Context(mode=mode, work=work, clock=clock, env=child_env(mode.name == "cpu", work))
     ctx.results["medium_summary"] = {}
+    ctx.results["train_overrides"] = [*TRAIN_OVERRIDES, *args.train_override]
     log(clock, f"{mode.name} mode, work dir {work}, report {args.output}")
 
     def report(checks: list[dict], complete: bool) -> dict:
@@ -694,7 +698,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "device": device_description(mode), "torch": torch.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": mode.name, "wall_s": round(clock.elapsed(), 1),
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "complete": complete,
-            "checks": checks, "skipped": list(args.skip),
+            "checks": checks, "skipped": list(args.skip), "train_overrides": args.train_override,
             **{key: summary.get(key) for key in SUMMARY_KEYS},
             "medium": ctx.results.get("medium", {}), "medium_compiled": ctx.results.get("medium_compiled", {}),
         }
