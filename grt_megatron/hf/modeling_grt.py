@@ -40,16 +40,17 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-
-# transformers 5.24 renamed the outputs' `past_key_values` field to `cache`. An export is run by whatever
-# transformers its user has, so the outputs carry the cache under the field that version has (both accept
-# either name as an argument).
-CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 from transformers.utils import logging
 
 from .configuration_grt import GRTConfig
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the outputs' `past_key_values` field to `cache`. An export is run by whatever
+# transformers its user has, so the outputs carry the cache under the field that version has (both accept
+# either name as an argument).
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
 KV_CACHES = ("per_recurrence", "average")
 # Per-call settings that also live in the generation config (generation_config.json of an export).
