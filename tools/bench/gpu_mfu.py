@@ -83,12 +83,12 @@ def profile_top(prof, rows: int = 12) -> dict:
             "host_waits": [[a.key, round(a.self_cpu_time_total / 1e3, 3), a.count] for a in waits]}
 
 
-def phase_seconds(engine, x, y, r: int, batch: int) -> dict:
-    """One more step with the device synchronised after forward, backward and the optimizer step: how the
-    step's wall time splits between them."""
+def phase_seconds(engine, forward) -> dict:
+    """One more step (`forward()` returns the loss) with the device synchronised after forward, backward and
+    the optimizer step: how the step's wall time splits between them."""
     out, start = {}, time.perf_counter()
     torch.cuda.synchronize()
-    loss = engine(x, y, r, r, list(range(batch))).mean()
+    loss = forward()
     torch.cuda.synchronize()
     out["forward_s"], start = time.perf_counter() - start, time.perf_counter()
     engine.backward(loss)
@@ -126,8 +126,11 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
     r = model_cfg.recurrences
     losses = []
 
+    def forward():
+        return engine(x, y, r, r, list(range(batch))).mean()
+
     def step():
-        loss = engine(x, y, r, r, list(range(batch))).mean()
+        loss = forward()
         engine.backward(loss)
         engine.step()
         return loss
@@ -148,7 +151,7 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
         losses.append(float(loss.detach()))
     step_s = statistics.median(times)
     busy = kernel_busy_seconds(step) if cuda else {"kernel_busy_s": None}
-    phases = phase_seconds(engine, x, y, r, batch) if cuda else {}
+    phases = phase_seconds(engine, forward) if cuda else {}
     # How long the GPU waits for the host per step: launch overhead, syncs, Python between kernels.
     stall = None if busy["kernel_busy_s"] is None else max(0.0, step_s - busy["kernel_busy_s"])
     flops = train_flops_per_token(model_cfg, seq, DepthDraw(r, r)) * batch * seq / step_s
