@@ -22,69 +22,70 @@ def _load_gpu_check():
 
 
 gpu_check = _load_gpu_check()
+from tools import gpu_check_checks, gpu_check_runner  # noqa: E402 (loading gpu_check put REPO on sys.path)
 
 
 def test_train_losses_ignore_evaluation_records():
     records = [{"step": 1, "loss": 7.0}, {"step": 1, "split": "valid", "loss": 6.0}, {"step": 2, "loss": 6.5},
                {"step": 2, "split": "depth_sweep", "recurrences": 1, "loss": 6.9}]
-    assert gpu_check.train_losses(records) == {1: 7.0, 2: 6.5}
+    assert gpu_check_checks.train_losses(records) == {1: 7.0, 2: 6.5}
 
 
 def test_compare_loss_curves_separates_the_control_from_the_resumed_steps():
     reference = {1: 7.0, 2: 6.5, 3: 6.25, 4: 6.0}
-    same = gpu_check.compare_loss_curves(reference, dict(reference), resumed_from=2)
+    same = gpu_check_checks.compare_loss_curves(reference, dict(reference), resumed_from=2)
     assert same["bit_exact"] and same["max_abs_diff"] == 0 and same["first_mismatch_step"] is None
-    assert gpu_check.resume_passed(same, "cpu", deterministic=True)
+    assert gpu_check_checks.resume_passed(same, "cpu", deterministic=True)
 
     # Only the resumed steps differ: the resume changed something; never accepted.
-    drifted = gpu_check.compare_loss_curves(reference, {**reference, 3: 6.26, 4: 6.01}, resumed_from=2)
+    drifted = gpu_check_checks.compare_loss_curves(reference, {**reference, 3: 6.26, 4: 6.01}, resumed_from=2)
     assert not drifted["bit_exact"] and drifted["first_mismatch_step"] == 3
     assert drifted["control_max_abs_diff"] == 0 and drifted["after_resume_max_abs_diff"] == pytest.approx(0.01)
-    assert not any(gpu_check.resume_passed(drifted, mode, d) for mode in ("cpu", "cuda") for d in (True, False))
+    assert not any(gpu_check_checks.resume_passed(drifted, mode, d) for mode in ("cpu", "cuda") for d in (True, False))
 
     # The killed run (no resume yet) already differs: GPU nondeterminism, accepted within the band on CUDA
     # unless deterministic kernels were asked for.
-    noisy = gpu_check.compare_loss_curves(reference, {1: 7.0, 2: 6.5001, 3: 6.2502, 4: 6.0003}, resumed_from=2)
+    noisy = gpu_check_checks.compare_loss_curves(reference, {1: 7.0, 2: 6.5001, 3: 6.2502, 4: 6.0003}, resumed_from=2)
     assert noisy["control_max_abs_diff"] > 0 and noisy["same_steps"]
-    assert gpu_check.resume_passed(noisy, "cuda", deterministic=False)
-    assert not gpu_check.resume_passed(noisy, "cuda", deterministic=True)
-    assert not gpu_check.resume_passed(noisy, "cpu", deterministic=False)
+    assert gpu_check_checks.resume_passed(noisy, "cuda", deterministic=False)
+    assert not gpu_check_checks.resume_passed(noisy, "cuda", deterministic=True)
+    assert not gpu_check_checks.resume_passed(noisy, "cpu", deterministic=False)
 
-    missing = gpu_check.compare_loss_curves(reference, {1: 7.0, 2: 6.5, 3: 6.25}, resumed_from=2)
+    missing = gpu_check_checks.compare_loss_curves(reference, {1: 7.0, 2: 6.5, 3: 6.25}, resumed_from=2)
     assert not missing["same_steps"] and not missing["bit_exact"] and missing["first_mismatch_step"] == 4
-    assert not gpu_check.resume_passed({**missing, "control_max_abs_diff": 1e-4}, "cuda", deterministic=False)
+    assert not gpu_check_checks.resume_passed({**missing, "control_max_abs_diff": 1e-4}, "cuda", deterministic=False)
 
 
 def test_bf16_logits_tolerance_scales_with_the_logits():
-    assert gpu_check.logits_tolerance("fp32", 50.0) == 1e-4
-    assert gpu_check.logits_tolerance("bf16", 0.5) == 2e-2
-    assert gpu_check.logits_tolerance("bf16", 8.0) == pytest.approx(0.16)
+    assert gpu_check_checks.logits_tolerance("fp32", 50.0) == 1e-4
+    assert gpu_check_checks.logits_tolerance("bf16", 0.5) == 2e-2
+    assert gpu_check_checks.logits_tolerance("bf16", 8.0) == pytest.approx(0.16)
 
 
 def test_report_is_written_atomically_and_strict_json(tmp_path):
     out = tmp_path / "results" / "report.json"
-    gpu_check.write_json_atomically(out, {"a": [1.0, float("nan")], "b": {"c": float("inf")}})
+    gpu_check_runner.write_json_atomically(out, {"a": [1.0, float("nan")], "b": {"c": float("inf")}})
     assert json.loads(out.read_text()) == {"a": [1.0, None], "b": {"c": None}}
     assert [p.name for p in out.parent.iterdir()] == ["report.json"]
 
 
 def test_time_guard_refuses_to_start_when_spent():
-    clock = gpu_check.Clock(budget_s=100.0)
+    clock = gpu_check_runner.Clock(budget_s=100.0)
     assert clock.timeout(30) == 30
     clock.budget_s = 1.0
-    with pytest.raises(gpu_check.CheckFailed, match="time guard"):
+    with pytest.raises(gpu_check_runner.CheckFailed, match="time guard"):
         clock.timeout(30)
 
 
 def test_a_failed_check_is_summarised_by_its_error_line_not_a_warning_after_it(monkeypatch):
     def failing(ctx):
-        raise gpu_check.CheckFailed("worker-3-hf: exit status 1\nTraceback (most recent call last):\n"
-                                    "TypeError: __init__() got an unexpected keyword argument 'cache'\n"
-                                    "[rank0]:[W1204] Warning: destroy_process_group() was not called")
+        raise gpu_check_runner.CheckFailed("worker-3-hf: exit status 1\nTraceback (most recent call last):\n"
+                                           "TypeError: __init__() got an unexpected keyword argument 'cache'\n"
+                                           "[rank0]:[W1204] Warning: destroy_process_group() was not called")
 
-    monkeypatch.setitem(gpu_check.CHECK_FUNCTIONS, "hf_logits", failing)
-    ctx = gpu_check.Context(mode=gpu_check.mode_for(cuda=False, steps=None), work=REPO, clock=gpu_check.Clock(9.0),
-                            env={})
+    monkeypatch.setitem(gpu_check_checks.CHECK_FUNCTIONS, "hf_logits", failing)
+    ctx = gpu_check_runner.Context(mode=gpu_check_runner.mode_for(cuda=False, steps=None), work=REPO,
+                                   clock=gpu_check_runner.Clock(9.0), env={})
     row = gpu_check.run_check(ctx, "hf_logits")
     assert not row["passed"]
     assert row["summary"] == ("worker-3-hf: exit status 1 ... "
@@ -130,16 +131,16 @@ def test_profile_summary_names_host_ops_kernels_and_waits():
 
 
 def test_train_overrides_reach_the_cli_runs(tmp_path):
-    ctx = gpu_check.Context(mode=gpu_check.mode_for(cuda=True, steps=None), work=tmp_path,
-                            clock=gpu_check.Clock(100.0), env={})
-    ctx.results.update(corpus="corpus", train_overrides=[*gpu_check.TRAIN_OVERRIDES, "train.fused_adam=true"])
-    args = gpu_check.train_args(ctx, tmp_path / "run", "resume=auto")
+    ctx = gpu_check_runner.Context(mode=gpu_check_runner.mode_for(cuda=True, steps=None), work=tmp_path,
+                                   clock=gpu_check_runner.Clock(100.0), env={})
+    ctx.results.update(corpus="corpus", train_overrides=[*gpu_check_checks.TRAIN_OVERRIDES, "train.fused_adam=true"])
+    args = gpu_check_checks.train_args(ctx, tmp_path / "run", "resume=auto")
     assert "train.fused_adam=true" in args and "train.deterministic=true" in args and args[-1] == "resume=auto"
 
 
 def test_a_refused_deterministic_mode_is_recorded_and_the_run_repeated_without_it(tmp_path, monkeypatch):
-    ctx = gpu_check.Context(mode=gpu_check.mode_for(cuda=True, steps=None), work=tmp_path,
-                            clock=gpu_check.Clock(100.0), env={})
+    ctx = gpu_check_runner.Context(mode=gpu_check_runner.mode_for(cuda=True, steps=None), work=tmp_path,
+                                   clock=gpu_check_runner.Clock(100.0), env={})
     ctx.results.update(corpus="corpus")
     commands = []
 
@@ -147,26 +148,27 @@ def test_a_refused_deterministic_mode_is_recorded_and_the_run_repeated_without_i
         commands.append(cmd)
         (tmp_path / "run").mkdir(exist_ok=True)
         if "train.deterministic=true" in cmd:
-            raise gpu_check.CheckFailed(f"{name}: exit status 1\nRuntimeError: index_add_cuda_ does not have a "
-                                        "deterministic implementation")
+            raise gpu_check_runner.CheckFailed(f"{name}: exit status 1\nRuntimeError: index_add_cuda_ does not "
+                                               "have a deterministic implementation")
         return "done"
 
-    monkeypatch.setattr(gpu_check, "run_command", fake_run_command)
-    out, refused = gpu_check.train_uninterrupted(ctx, tmp_path / "run")
+    monkeypatch.setattr(gpu_check_checks, "run_command", fake_run_command)
+    out, refused = gpu_check_checks.train_uninterrupted(ctx, tmp_path / "run")
     assert out == "done" and "index_add_cuda_" in refused and len(commands) == 2
     assert "train.deterministic=true" in commands[0] and "train.deterministic=true" not in commands[1]
-    assert not gpu_check.deterministic_kernels(ctx)  # the killed and resumed runs go without it too
+    assert not gpu_check_checks.deterministic_kernels(ctx)  # the killed and resumed runs go without it too
 
 
 def test_gpu_check_in_cpu_mode_passes_every_check(tmp_path):
     output, work = tmp_path / "gpu_check.json", tmp_path / "work"
-    env = {k: v for k, v in os.environ.items() if k not in gpu_check.LAUNCHER_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in gpu_check_runner.LAUNCHER_ENV}
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--cpu", "--output", str(output),
                            "--work-dir", str(work)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     report = json.loads(output.read_text())
     failed = {c["name"]: c["detail"] for c in report["checks"] if not c["passed"]}
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:], proc.stderr[-3000:])
-    assert f"{len(gpu_check.CHECKS)}/{len(gpu_check.CHECKS)} checks passed" in proc.stdout and "PASS kill_resume_bf16" in proc.stdout  # progress lines
+    n = len(gpu_check_checks.CHECKS)
+    assert f"{n}/{n} checks passed" in proc.stdout and "PASS kill_resume_bf16" in proc.stdout  # progress lines
 
     assert {"device", "torch", "python", "date", "mode", "wall_s", "checks", "mfu_grt_medium", "mfu_dense_medium",
             "grt_over_dense_flops_per_s", "mfu_grt_medium_compiled", "mfu_dense_medium_compiled",
@@ -174,7 +176,7 @@ def test_gpu_check_in_cpu_mode_passes_every_check(tmp_path):
             } <= report.keys()
     assert report["mode"] == "cpu" and report["wall_s"] > 0 and report["complete"] is True
     checks = {c["name"]: c for c in report["checks"]}
-    assert list(checks) == list(gpu_check.CHECKS)
+    assert list(checks) == list(gpu_check_checks.CHECKS)
     assert all(set(c) >= {"name", "passed", "detail"} for c in report["checks"])
 
     step = checks["cpu_vs_device_step"]["detail"]

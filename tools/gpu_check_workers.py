@@ -16,9 +16,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
-from gpu_check import write_json_atomically  # noqa: E402
+from tools.gpu_check_runner import write_json_atomically  # noqa: E402
 
 
 # ---- workers ------------------------------------------------------------
