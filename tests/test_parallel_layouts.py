@@ -1,6 +1,7 @@
 """Every parallel layout gives one process's per-step losses and grad norms (fp32, GRT with uniform depth
 sampling and noise on; dense too). Each layout is one torchrun launch of `grt-train` on gloo."""
 
+import re
 import sys
 
 import pytest
@@ -45,8 +46,7 @@ LAYOUTS = [
     ("tiny", 2, ["deepspeed.zero_stage=2"]),
     ("tiny", 2, ["deepspeed.zero_stage=3"]),
     ("tiny", 4, ["parallel.tp=2", "deepspeed.zero_stage=1"]),
-    ("tiny", 4, ["parallel.tp=2", "deepspeed.zero_stage=2"]),
-    ("tiny", 4, ["parallel.tp=2", "parallel.sp=true", "deepspeed.zero_stage=2"]),
+    ("tiny", 4, ["parallel.tp=2", "parallel.sp=true", "deepspeed.zero_stage=2"]),  # (TP 2 + ZeRO 2, and SP)
     ("tiny_dense", 2, ["parallel.tp=2"]),
     ("tiny", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
     ("tiny", 4, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
@@ -92,17 +92,29 @@ def test_layout_matches_one_process(references, pydoc_prefix, tmp_path, model, p
     (["parallel.pp=2", "deepspeed.zero_stage=2"], 2, "cannot be combined with parallel.pp=2"),
     (["parallel.pp=2"], 2, "parallel.pp=2 needs deepspeed.zero_stage=1"),
 ])
-def test_wrong_layout_is_refused_quickly(tmp_path, args, procs, needle):
-    launcher = None
-    if procs > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
-                    f"--master_port={next(PORT)}"]
+def test_wrong_layout_is_refused_by_the_run_config(args, procs, needle):
+    """The layout rules, through the function grt-train refuses with (at `procs` processes): in this process,
+    since the launch below shows that grt-train applies them before any process group or data."""
+    from hydra import compose, initialize_config_dir
+
+    from grt_megatron.errors import ConfigError
+    from grt_megatron.training.cli import RECIPES
+    from grt_megatron.training.config import build_run_config
+
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        cfg = compose("train", overrides=["model=tiny", "train.iters=1", "run.dir=unused", *args])
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        build_run_config(cfg, world_size=procs)
+
+
+def test_wrong_layout_is_refused_at_launch_before_any_group_or_data(tmp_path):
     # A layout that slipped through would hang in a collective for parallel.timeout_minutes (5), past
     # the 240 s given here: refused at start, not after a hang.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={next(PORT)}"]
     proc = run_cli(["model=tiny", "train.iters=1", f"run.dir={tmp_path}", "parallel.timeout_minutes=5", *QUIET,
-                    *args], launcher=launcher, timeout=240)
+                    "parallel.tp=3"], launcher=launcher, timeout=240)
     assert proc.returncode != 0
-    assert needle in proc.stderr, proc.stderr[-2000:]
+    assert "grt-train: error: 2 processes cannot be split into parallel.tp=3" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "data").exists()  # before any data preparation
 
 
