@@ -42,7 +42,7 @@ slurm-deps:
 # their time importing torch, megatron-core and DeepSpeed on one core. TEST_WORKERS=1 runs them in one.
 TEST_WORKERS ?= 2
 test: install slurm-deps
-	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache
