@@ -57,6 +57,16 @@ def assert_same_step(got, want, loss_rtol: float, grad_rtol: float, grad_atol: f
         torch.testing.assert_close(got[1][name], grad, rtol=grad_rtol, atol=grad_atol, msg=name)
 
 
+def train_config(overrides: list[str]):
+    """The hydra config `grt-train OVERRIDES` composes from recipes/ (not yet validated), in this process."""
+    from hydra import compose, initialize_config_dir
+
+    from grt_megatron.training.cli import RECIPES
+
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
 def run_cli(args: list[str], env: dict | None = None, launcher: list[str] | None = None,
             timeout: int = 600) -> subprocess.CompletedProcess:
     """`grt-train ARGS` in a fresh process (optionally under torchrun), as a user would run it."""

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import read_jsonl, run_cli
+from conftest import read_jsonl, run_cli, train_config
 
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
 STEPS = 3
@@ -95,14 +95,10 @@ def test_layout_matches_one_process(references, pydoc_prefix, tmp_path, model, p
 def test_wrong_layout_is_refused_by_the_run_config(args, procs, needle):
     """The layout rules, through the function grt-train refuses with (at `procs` processes): in this process,
     since the launch below shows that grt-train applies them before any process group or data."""
-    from hydra import compose, initialize_config_dir
-
     from grt_megatron.errors import ConfigError
-    from grt_megatron.training.cli import RECIPES
     from grt_megatron.training.config import build_run_config
 
-    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
-        cfg = compose("train", overrides=["model=tiny", "train.iters=1", "run.dir=unused", *args])
+    cfg = train_config(["model=tiny", "train.iters=1", "run.dir=unused", *args])
     with pytest.raises(ConfigError, match=re.escape(needle)):
         build_run_config(cfg, world_size=procs)
 

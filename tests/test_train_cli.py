@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import SHAKESPEARE, read_jsonl, run_cli
+from conftest import SHAKESPEARE, read_jsonl, run_cli, train_config
 
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
 STEP_KEYS = {"step", "loss", "grad_norm", "lr", "recurrences", "grad_recurrences", "tokens", "tokens_per_s",
@@ -137,14 +137,10 @@ def test_bad_input_is_one_clear_line(tmp_path, args, needle):
 def test_bad_setting_is_refused_by_the_run_config(args, needle):
     """The settings grt-train refuses through `build_run_config` (the ConfigError it prints as its one line,
     as the first case above shows end to end), checked in this process: a launch each would add nothing."""
-    from hydra import compose, initialize_config_dir
-
     from grt_megatron.errors import ConfigError
-    from grt_megatron.training.cli import RECIPES
     from grt_megatron.training.config import build_run_config
 
-    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
-        cfg = compose("train", overrides=["model=tiny", "train.iters=2", "run.dir=unused", *args])
+    cfg = train_config(["model=tiny", "train.iters=2", "run.dir=unused", *args])
     with pytest.raises(ConfigError) as refused:
         build_run_config(cfg, world_size=1)
     assert needle in str(refused.value) and "\n" not in str(refused.value)
