@@ -216,3 +216,18 @@ def test_kernel_busy_time_is_the_union_of_kernel_intervals():
 
     assert _busy_seconds([]) == 0.0
     assert _busy_seconds([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (2.5, 2.7)]) == 4.0  # overlaps counted once
+
+
+def test_throughput_with_accumulation_counts_every_micro_batch_and_steps_once(world):
+    """tools/bench/gpu_mfu.py with gradient accumulation (--medium-accumulation): a step is N micro-batches
+    and one optimizer update, and its tokens and FLOPs count all N (on CPU: tiny model, fp32)."""
+    from tools.bench.gpu_mfu import measure_training_step
+
+    rows = {n: measure_training_step("tiny", batch=2, seq=32, steps=2, warmup=1, precision="fp32", vocab=256,
+                                     accumulation=n) for n in (1, 3)}
+    for n, row in rows.items():
+        assert row["accumulation"] == n and row["optimizer_steps"] == 3  # warmup + timed, whatever n
+        assert row["tokens_per_s"] == pytest.approx(2 * 32 * n / row["median_step_s"])
+        assert all(math.isfinite(v) for v in row["losses"])
+    per_token = [row["model_flops_per_s"] / row["tokens_per_s"] for row in rows.values()]
+    assert per_token[0] == pytest.approx(per_token[1])  # the same model FLOPs a token, N times the tokens

@@ -1,7 +1,8 @@
 """One command that runs grt-megatron's real GPU paths and records what happened.
 
     python3 tools/gpu_check.py [--output tools/bench/results/gpu_check.json] [--work-dir DIR] [--cpu]
-                               [--skip NAME ...] [--steps N]
+                               [--skip NAME ...] [--steps N] [--previous REPORT] [--budget SECONDS]
+                               [--train-override KEY=VALUE ...] [--medium-accumulation N]
 
 Run from the repository root; the package need not be installed (the repository is put on sys.path and the
 CLIs run as `python -m grt_megatron...`). With CUDA it checks the GPU in under 9 minutes; without it (or with
@@ -143,10 +144,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                         help="a grt-train override for the CLI runs (repeatable), e.g. train.fused_adam=true to "
                              "check an option on the device before it becomes a default")
+    parser.add_argument("--medium-accumulation", type=int, default=1, metavar="N",
+                        help="micro-batches per step in the throughput checks (default 1): with N > 1 the "
+                             "optimizer's per-step work is shared by N micro-batches, as in a run whose global "
+                             "batch is larger than its micro-batch")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for all checks (default 540 on CUDA, 600 on CPU); a check that would start "
                              "after it fails as 'not run'")
     args = parser.parse_args(argv)
+    if args.medium_accumulation < 1:
+        parser.error("--medium-accumulation must be >= 1")
     if args.steps is not None and args.steps < 6:
         parser.error("--steps must be >= 6 (the killed run needs steps after its first checkpoint)")
 
@@ -158,7 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(work / sub, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     clock = Clock(args.budget or TIME_BUDGET_S[mode.name])
-    ctx = Context(mode=mode, work=work, clock=clock, env=child_env(mode.name == "cpu", work))
+    ctx = Context(mode=mode, work=work, clock=clock, env=child_env(mode.name == "cpu", work),
+                  medium_accumulation=args.medium_accumulation)
     ctx.results["medium_summary"] = {}
     ctx.results["train_overrides"] = [*TRAIN_OVERRIDES, *args.train_override]
     log(clock, f"{mode.name} mode, work dir {work}, report {args.output}")
@@ -170,6 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": mode.name, "wall_s": round(clock.elapsed(), 1),
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "complete": complete,
             "checks": checks, "skipped": list(args.skip), "train_overrides": args.train_override,
+            "medium_accumulation": args.medium_accumulation,
             **{key: summary.get(key) for key in SUMMARY_KEYS},
             "medium": ctx.results.get("medium", {}), "medium_compiled": ctx.results.get("medium_compiled", {}),
         }

@@ -116,6 +116,7 @@ class Context:
     env: dict[str, str]
     results: dict[str, Any] = field(default_factory=dict)   # what later checks need from earlier ones
     workers_started: int = 0
+    medium_accumulation: int = 1   # micro-batches per step of the throughput checks (--medium-accumulation)
 
     def need(self, key: str, check: str) -> Any:
         if key not in self.results:

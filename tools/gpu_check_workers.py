@@ -139,7 +139,7 @@ def worker_throughput(args) -> dict:
 
     init_distributed(seed=0)
     row = measure_training_step(args.model, args.batch, args.seq, args.timed_steps, args.warmup, "bf16",
-                                vocab=args.vocab, compile=args.compile)
+                                vocab=args.vocab, compile=args.compile, accumulation=args.accumulation)
     return {**row, "warmup_steps": args.warmup, "timed_steps": args.timed_steps,
             "losses_finite": all(math.isfinite(v) for v in row["losses"])}
 
@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     for name, kind in (("--tensors", str), ("--checkpoint", str), ("--hf-dir", str), ("--model", str),
                        ("--seq", int), ("--batch", int), ("--warmup", int), ("--timed-steps", int), ("--vocab", int)):
         parser.add_argument(name, type=kind)
+    parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args(argv)
     _quiet_imports()

@@ -46,16 +46,16 @@ def parse_args(parser: argparse.ArgumentParser, benchmark: str) -> argparse.Name
     return parser.parse_args()
 
 
-def run_config(model: str, batch: int, precision: str, *overrides: str):
-    """The `train` config of recipe `model` at its full R (fixed depth sampler), one micro-batch of `batch`
-    sequences a step, plus `overrides`."""
+def run_config(model: str, batch: int, precision: str, *overrides: str, accumulation: int = 1):
+    """The `train` config of recipe `model` at its full R (fixed depth sampler), `accumulation` micro-batches
+    of `batch` sequences a step, plus `overrides`."""
     from hydra import compose, initialize_config_dir
 
     from grt_megatron.training.config import build_run_config
 
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={model}", "model.depth_sampler=fixed", *overrides,
-                                          f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
+                                          f"train.micro_batch_size={batch}", f"train.global_batch_size={batch * accumulation}",
                                           f"train.precision={precision}", "run.dir=unused"])
     return build_run_config(cfg)
 

@@ -1,7 +1,8 @@
 """Tokens/s and model FLOPs utilisation (MFU) of one training step on one device, bf16, through the
 framework (megatron-core layers, DeepSpeed ZeRO 0). For a GPU; on a CPU it runs to check the script.
 
-    python tools/bench/gpu_mfu.py [--model medium_grt_isoflops] [--batch 8] [--steps 20] [--peak-tflops 989]
+    python tools/bench/gpu_mfu.py [--model medium_grt_isoflops] [--batch 8] [--accumulation 1] [--steps 20]
+                                  [--peak-tflops 989]
 
 FLOPs are the model's (executed R, gate and projection counted; `grt_megatron.model.flops`). The peak is
 `--peak-tflops`, else the known peak of the GPU (`grt_megatron.training.metrics.PEAK_TFLOPS`). `--compile`
@@ -83,28 +84,35 @@ def profile_top(prof, rows: int = 12) -> dict:
             "host_waits": [[a.key, round(a.self_cpu_time_total / 1e3, 3), a.count] for a in waits]}
 
 
-def phase_seconds(engine, forward) -> dict:
-    """One more step (`forward()` returns the loss) with the device synchronised after forward, backward and
-    the optimizer step: how the step's wall time splits between them."""
-    out, start = {}, time.perf_counter()
-    torch.cuda.synchronize()
-    loss = forward()
-    torch.cuda.synchronize()
-    out["forward_s"], start = time.perf_counter() - start, time.perf_counter()
-    engine.backward(loss)
-    torch.cuda.synchronize()
-    out["backward_s"], start = time.perf_counter() - start, time.perf_counter()
-    engine.step()
-    torch.cuda.synchronize()
-    out["optimizer_s"] = time.perf_counter() - start
+def phase_seconds(engine, forward, accumulation: int = 1) -> dict:
+    """One more step (`forward()` returns a micro-batch's loss) with the device synchronised after each
+    forward, backward and engine step: how the step's wall time splits between them (forward and backward
+    summed over the micro-batches; the optimizer's time is the engine steps', in effect the last one's)."""
+    out = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+
+    def timed(phase, work, *args):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = work(*args)
+        torch.cuda.synchronize()
+        out[phase] += time.perf_counter() - start
+        return result
+
+    for _ in range(accumulation):
+        loss = timed("forward_s", forward)
+        timed("backward_s", engine.backward, loss)
+        timed("optimizer_s", engine.step)
     return out
 
 
 def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: int, precision: str = "bf16",
                           checkpoint_recurrence: bool = False, peak_tflops: float | None = None,
-                          vocab: int = 50257, compile: bool = False) -> dict:
+                          vocab: int = 50257, compile: bool = False, accumulation: int = 1) -> dict:
     """`steps` timed training steps (after `warmup`) of recipe `model` through the DeepSpeed engine on this
-    process's device, at the full R (fixed depth sampler), compiled as train.compile does if `compile`.
+    process's device, at the full R (fixed depth sampler), compiled as train.compile does if `compile`. A
+    step is `accumulation` micro-batches of `batch` sequences and one optimizer step, as grt-train runs a
+    global batch larger than the micro-batch (the paper's recipe: 480 sequences, micro-batch 6): the
+    optimizer and gradient-norm work, fixed per step, is then shared by more tokens.
     `init_distributed` must have run."""
     from grt_megatron.model.kernels import FUSION_FIELDS
     from grt_megatron.parallel.compile import apply_compile, compiled_graphs
@@ -112,7 +120,7 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
     device = run_device()
     cuda = device.type == "cuda"
     run = run_config(model, batch, precision, f"model.max_sequence_length={seq}",
-                     f"model.checkpoint_recurrence={str(checkpoint_recurrence).lower()}")
+                     f"model.checkpoint_recurrence={str(checkpoint_recurrence).lower()}", accumulation=accumulation)
     tf32 = set_tf32(run.train.tf32)  # as grt-train: fp32 runs use TF32 tensor cores unless train.tf32=false
     model_cfg = run.model_config(vocab)
     if cuda:
@@ -130,9 +138,10 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
         return engine(x, y, r, r, list(range(batch))).mean()
 
     def step():
-        loss = forward()
-        engine.backward(loss)
-        engine.step()
+        for _ in range(accumulation):  # as grt-train: the engine steps after every micro-batch and updates
+            loss = forward()           # the weights at the accumulation boundary only
+            engine.backward(loss)
+            engine.step()
         return loss
 
     times = []
@@ -151,25 +160,26 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
         losses.append(float(loss.detach()))
     step_s = statistics.median(times)
     busy = kernel_busy_seconds(step) if cuda else {"kernel_busy_s": None}
-    phases = phase_seconds(engine, forward) if cuda else {}
+    phases = phase_seconds(engine, forward, accumulation) if cuda else {}
     # How long the GPU waits for the host per step: launch overhead, syncs, Python between kernels.
     stall = None if busy["kernel_busy_s"] is None else max(0.0, step_s - busy["kernel_busy_s"])
-    flops = train_flops_per_token(model_cfg, seq, DepthDraw(r, r)) * batch * seq / step_s
+    tokens = batch * seq * accumulation  # a step's
+    flops = train_flops_per_token(model_cfg, seq, DepthDraw(r, r)) * tokens / step_s
     peak = peak_flops_per_device(precision, peak_tflops, tf32=tf32)
     return {"model": model, "shape": model_cfg.shape_name,
             "device": torch.cuda.get_device_name() if cuda else "cpu", "precision": precision,
-            "batch": batch, "seq_length": seq, "vocab": vocab, "step_s": times, "median_step_s": step_s,
-            "tokens_per_s": batch * seq / step_s, "model_flops_per_s": flops, "peak_flops_per_s": peak,
+            "batch": batch, "accumulation": accumulation, "seq_length": seq, "vocab": vocab, "step_s": times,
+            "median_step_s": step_s, "tokens_per_s": tokens / step_s, "model_flops_per_s": flops, "peak_flops_per_s": peak,
             "mfu": None if peak is None else flops / peak,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "losses": losses,
             "compiled": compile, "compiled_graphs": compiled_graphs() if compile else None,
             "first_step_s": first_step_s, "layer_spec": model_cfg.layer_spec,
             "fusions": [name for name in FUSION_FIELDS if getattr(model_cfg, name)], "host_stall_s": stall, **busy,
-            "phases": phases}
+            "phases": phases, "optimizer_steps": engine.global_steps}
 
 
 # The fields of this benchmark's JSON (measure_training_step returns more).
-ROW_FIELDS = ("model", "shape", "device", "precision", "batch", "seq_length", "median_step_s", "tokens_per_s",
+ROW_FIELDS = ("model", "shape", "device", "precision", "batch", "accumulation", "seq_length", "median_step_s", "tokens_per_s",
               "model_flops_per_s", "mfu", "peak_memory_gib", "compiled", "compiled_graphs", "first_step_s",
               "layer_spec", "fusions", "host_stall_s")
 
@@ -177,7 +187,8 @@ ROW_FIELDS = ("model", "shape", "device", "precision", "batch", "seq_length", "m
 def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--model", default="medium_grt_isoflops")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="micro-batch size")
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches a step (gradient accumulation)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -188,7 +199,8 @@ def main() -> None:
     args = parse_args(parser, "gpu_mfu")
     init_distributed(seed=0)
     measured = measure_training_step(args.model, args.batch, args.seq, args.steps, args.warmup, args.precision,
-                                     args.checkpoint_recurrence, args.peak_tflops, compile=args.compile)
+                                     args.checkpoint_recurrence, args.peak_tflops, compile=args.compile,
+                                     accumulation=args.accumulation)
     row = {key: measured[key] for key in ROW_FIELDS}
     print(json.dumps(row, indent=2))
     write_result(args.output, {**stamp("gpu_mfu"), **row})
