@@ -55,7 +55,8 @@ def run_config(model: str, batch: int, precision: str, *overrides: str, accumula
 
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={model}", "model.depth_sampler=fixed", *overrides,
-                                          f"train.micro_batch_size={batch}", f"train.global_batch_size={batch * accumulation}",
+                                          f"train.micro_batch_size={batch}",
+                                          f"train.global_batch_size={batch * accumulation}",
                                           f"train.precision={precision}", "run.dir=unused"])
     return build_run_config(cfg)
 

@@ -84,10 +84,10 @@ def profile_top(prof, rows: int = 12) -> dict:
             "host_waits": [[a.key, round(a.self_cpu_time_total / 1e3, 3), a.count] for a in waits]}
 
 
-def phase_seconds(engine, forward, accumulation: int = 1) -> dict:
-    """One more step (`forward()` returns a micro-batch's loss) with the device synchronised after each
-    forward, backward and engine step: how the step's wall time splits between them (forward and backward
-    summed over the micro-batches; the optimizer's time is the engine steps', in effect the last one's)."""
+def phase_seconds(step) -> dict:
+    """One more step with the device synchronised after each forward, backward and engine step (`step(timed)`
+    runs each through `timed(phase, work, *args)`): how the step's wall time splits between them, forward
+    and backward summed over the micro-batches, the optimizer's in effect the last engine step's."""
     out = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
 
     def timed(phase, work, *args):
@@ -98,10 +98,7 @@ def phase_seconds(engine, forward, accumulation: int = 1) -> dict:
         out[phase] += time.perf_counter() - start
         return result
 
-    for _ in range(accumulation):
-        loss = timed("forward_s", forward)
-        timed("backward_s", engine.backward, loss)
-        timed("optimizer_s", engine.step)
+    step(timed)
     return out
 
 
@@ -137,11 +134,16 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
     def forward():
         return engine(x, y, r, r, list(range(batch))).mean()
 
-    def step():
-        for _ in range(accumulation):  # as grt-train: the engine steps after every micro-batch and updates
-            loss = forward()           # the weights at the accumulation boundary only
-            engine.backward(loss)
-            engine.step()
+    def untimed(phase, work, *args):
+        return work(*args)
+
+    def step(timed=untimed):
+        # As grt-train: the engine steps after every micro-batch and updates the weights at the
+        # accumulation boundary only.
+        for _ in range(accumulation):
+            loss = timed("forward_s", forward)
+            timed("backward_s", engine.backward, loss)
+            timed("optimizer_s", engine.step)
         return loss
 
     times = []
@@ -160,7 +162,7 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
         losses.append(float(loss.detach()))
     step_s = statistics.median(times)
     busy = kernel_busy_seconds(step) if cuda else {"kernel_busy_s": None}
-    phases = phase_seconds(engine, forward, accumulation) if cuda else {}
+    phases = phase_seconds(step) if cuda else {}
     # How long the GPU waits for the host per step: launch overhead, syncs, Python between kernels.
     stall = None if busy["kernel_busy_s"] is None else max(0.0, step_s - busy["kernel_busy_s"])
     tokens = batch * seq * accumulation  # a step's
@@ -169,7 +171,8 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
     return {"model": model, "shape": model_cfg.shape_name,
             "device": torch.cuda.get_device_name() if cuda else "cpu", "precision": precision,
             "batch": batch, "accumulation": accumulation, "seq_length": seq, "vocab": vocab, "step_s": times,
-            "median_step_s": step_s, "tokens_per_s": tokens / step_s, "model_flops_per_s": flops, "peak_flops_per_s": peak,
+            "median_step_s": step_s, "tokens_per_s": tokens / step_s, "model_flops_per_s": flops,
+            "peak_flops_per_s": peak,
             "mfu": None if peak is None else flops / peak,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "losses": losses,
             "compiled": compile, "compiled_graphs": compiled_graphs() if compile else None,
@@ -179,9 +182,9 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
 
 
 # The fields of this benchmark's JSON (measure_training_step returns more).
-ROW_FIELDS = ("model", "shape", "device", "precision", "batch", "accumulation", "seq_length", "median_step_s", "tokens_per_s",
-              "model_flops_per_s", "mfu", "peak_memory_gib", "compiled", "compiled_graphs", "first_step_s",
-              "layer_spec", "fusions", "host_stall_s")
+ROW_FIELDS = ("model", "shape", "device", "precision", "batch", "accumulation", "seq_length", "median_step_s",
+              "tokens_per_s", "model_flops_per_s", "mfu", "peak_memory_gib", "compiled", "compiled_graphs",
+              "first_step_s", "layer_spec", "fusions", "host_stall_s")
 
 
 def main() -> None:
