@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from conftest import REPO, tiny_config
 from grt_megatron.model.diagnostics import recording_recurrence_stats
 from grt_megatron.model.layers import StepInputs, run_layers
-from grt_megatron.model.noise import recurrence_noise
+from grt_megatron.model.noise import draw_noise, recurrence_noise
 from grt_megatron.model import (ConfigError, GRTConfig, GRTLanguageModel, count_parameters,
                                 forward_flops_per_token, train_flops_per_token, DepthDraw)
 
@@ -121,6 +121,28 @@ def test_keyed_noise_follows_the_sample_not_the_batch(world):
     h = torch.zeros(4, 1, 8)
     draws = [recurrence_noise(model.config, True, h, [7], step, kind) for step in (0, 1) for kind in (0, 1)]
     assert len({d.sum().item() for d in draws}) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, per_token, shard", [((16, 3, 8), False, (1, 0)), ((7, 2, 5), True, (1, 0)),
+                                                     ((16, 3, 8), False, (4, 2)), ((5, 2, 3), False, (2, 1))])
+def test_keyed_noise_is_each_samples_own_randn_stream(world, dtype, shape, per_token, shard):
+    """The noise stream is part of a run's results (resume, layouts, the committed grids): sample i's draw
+    is σ · randn(full sequence) from a generator seeded by (seed, step, kind), its rank's slice under SP,
+    to the bit, whatever the implementation does to draw it faster."""
+    import numpy as np
+
+    s, b, d = shape
+    like, seeds, sigma = torch.zeros(shape, dtype=dtype), [41 + 7 * i for i in range(b)], 0.37
+    shards, index = shard
+    columns = []
+    for seed in seeds:
+        mixed = int(np.random.SeedSequence([seed, 3, 1]).generate_state(1, np.uint64)[0]) & (2**63 - 1)
+        full = torch.randn((s * shards, 1 if per_token else d), generator=torch.Generator().manual_seed(mixed))
+        columns.append(full[s * index : s * (index + 1)])
+    expected = (torch.stack(columns, dim=1) * sigma).to(dtype)
+    got = draw_noise(like, sigma, per_token, seeds, step=3, kind=1, shard=shard)
+    assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("injection", ["add", "none"])

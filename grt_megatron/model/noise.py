@@ -40,13 +40,23 @@ def draw_noise(like: torch.Tensor, sigma: float, per_token: bool, seeds: Optiona
     if len(seeds) != b:
         raise ValueError(f"{len(seeds)} noise seeds for a batch of {b}")
     shards, index = shard
-    columns = []
-    for seed in seeds:
-        mixed = np.random.SeedSequence([int(seed), step, kind]).generate_state(1, np.uint64)[0]
-        generator = torch.Generator(device=like.device).manual_seed(int(mixed) & (2**63 - 1))
-        full = torch.randn((s * shards, width), generator=generator, device=like.device)
-        columns.append(full[s * index : s * (index + 1)])
-    return (torch.stack(columns, dim=1) * sigma).to(like.dtype)
+    # Each sample's stream is drawn into one reused buffer (as torch.randn would draw it) and scaled straight
+    # into its column of the result: no per-sample tensors, stack or separate multiply (noise is a few
+    # percent of a small GRT's CPU step, tools/bench/overhead.py). Scaling inside the draw (normal_(0, σ))
+    # would save the multiply, but below 16 elements torch scales in double precision and the bits change.
+    full = torch.empty((s * shards, width), dtype=torch.float32, device=like.device)
+    noise = torch.empty((s, b, width), dtype=torch.float32, device=like.device)
+    for i, seed in enumerate(seeds):
+        full.normal_(generator=sample_generator(int(seed), step, kind, like.device))
+        torch.mul(full[s * index : s * (index + 1)], sigma, out=noise[:, i])
+    return noise.to(like.dtype)
+
+
+def sample_generator(seed: int, step: int, kind: int, device: torch.device) -> torch.Generator:
+    """The generator of one sample's draw of `kind` at recurrence `step`: seeded from (seed, step, kind)
+    mixed through numpy's SeedSequence, so nearby seeds and steps give unrelated streams."""
+    mixed = np.random.SeedSequence([seed, step, kind]).generate_state(1, np.uint64)[0]
+    return torch.Generator(device=device).manual_seed(int(mixed) & (2**63 - 1))
 
 
 def recurrence_noise(config: GRTConfig, training: bool, like: torch.Tensor, seeds: Optional[Sequence[int]],

@@ -4,9 +4,11 @@ clipping), at the same shape, batch and weights.
 
     python tools/bench/overhead.py [--shapes tiny,small] [--steps 20]
 
-Target: grt-megatron ≤ 1.10× the plain step. Both run their full R in fp32; grt-megatron also draws its
-per-sample training noise (plain PyTorch's model has none), which is part of what is measured.
-Prints a table and writes tools/bench/results/overhead.json.
+Targets (issue 20): grt-megatron ≤ 1.05× the plain step at the small shape, ≤ 1.10× at tiny. Both run their
+full R in fp32. grt-megatron trains with the recipe's per-sample noise (eps_x and eps_g at every step), which
+the exported model does not have, so the framework is timed twice, interleaved step by step with the plain
+model: with that noise (what a run costs) and at noise σ = 0 (the same math as the plain model: what the
+framework itself adds). Prints a table and writes tools/bench/results/overhead.json.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 from tools.bench import common  # noqa: E402
 
 import torch  # noqa: E402
+from deepspeed.runtime.utils import clip_grad_norm_  # noqa: E402
 
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.hf.convert import build_hf_model  # noqa: E402
+
+TARGETS = {"tiny": 1.10, "small": 1.05}
+"""grt-megatron's step over plain PyTorch's, at most (issue 20)."""
 
 def plain_step(model, optimizer, x, y):
     logits = model(x, use_cache=False).logits
@@ -34,12 +40,18 @@ def plain_step(model, optimizer, x, y):
     optimizer.zero_grad(set_to_none=True)
 
 
+def framework_step(engine, cfg, x, y, grad_clip):
+    loss = engine(x, y, cfg.recurrences, cfg.recurrences, list(range(len(x)))).mean()
+    engine.backward(loss)
+    clip_grad_norm_(list(engine.module.parameters()), grad_clip, mpu=engine.mpu)  # as grt-train clips
+    engine.step()
+
+
 def main() -> None:
     parser = common.argument_parser(__doc__)
     common.add_step_arguments(parser)
     args = common.parse_args(parser, "overhead")
     init_distributed(seed=0)
-    from deepspeed.runtime.utils import clip_grad_norm_
 
     results = []
     for shape in args.shapes.split(","):
@@ -55,31 +67,35 @@ def main() -> None:
                                       weight_decay=t.weight_decay)
         seq = cfg.max_sequence_length
         x, y = common.random_batch(args.batch, seq)
-        times = {"grt-megatron": [], "plain PyTorch": []}
+        sigma = cfg.noise_sigma
+        times = {"grt-megatron": [], "grt-megatron, noise off": [], "plain PyTorch": []}
         for step in range(args.warmup + args.steps):
-            start = time.perf_counter()
-            loss = engine(x, y, cfg.recurrences, cfg.recurrences, list(range(args.batch))).mean()
-            engine.backward(loss)
-            clip_grad_norm_(list(engine.module.parameters()), t.grad_clip, mpu=engine.mpu)  # as grt-train clips
-            engine.step()
-            middle = time.perf_counter()
-            plain_step(plain, optimizer, x, y)
-            end = time.perf_counter()
-            if step >= args.warmup:
-                times["grt-megatron"].append(middle - start)
-                times["plain PyTorch"].append(end - middle)
+            for name in times:
+                # The block reads the noise σ from its config at every step: 0 draws nothing.
+                cfg.noise_sigma = 0.0 if name.endswith("noise off") else sigma
+                start = time.perf_counter()
+                if name == "plain PyTorch":
+                    plain_step(plain, optimizer, x, y)
+                else:
+                    framework_step(engine, cfg, x, y, t.grad_clip)
+                if step >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+        cfg.noise_sigma = sigma
         medians = {k: statistics.median(v) for k, v in times.items()}
+        target = TARGETS[shape]
         row = {"shape": shape, "model": cfg.shape_name, "hidden_size": cfg.hidden_size, "batch": args.batch,
-               "seq_length": seq, "median_step_s": medians,
-               "framework_over_plain_step_time": medians["grt-megatron"] / medians["plain PyTorch"]}
+               "seq_length": seq, "noise_sigma": sigma, "median_step_s": medians, "target": target,
+               "framework_over_plain_step_time": medians["grt-megatron"] / medians["plain PyTorch"],
+               "framework_noise_off_over_plain_step_time":
+                   medians["grt-megatron, noise off"] / medians["plain PyTorch"]}
         results.append(row)
         print(f"\n{shape} ({cfg.shape_name}, d {cfg.hidden_size}): batch {args.batch} × {seq}, median of "
               f"{args.steps} steps (CPU, fp32)")
         for k, v in medians.items():
-            print(f"  {k:<16}{1e3 * v:>9.1f} ms")
-        print(f"  grt-megatron / plain: {row['framework_over_plain_step_time']:.3f} (target <= 1.10)")
-    out = common.write_result(args.output, {**common.stamp("overhead", with_torch=True), "target": 1.10,
-                                            "results": results})
+            print(f"  {k:<26}{1e3 * v:>9.1f} ms")
+        print(f"  grt-megatron / plain: {row['framework_over_plain_step_time']:.3f} with noise σ {sigma}, "
+              f"{row['framework_noise_off_over_plain_step_time']:.3f} without (target <= {target})")
+    out = common.write_result(args.output, {**common.stamp("overhead", with_torch=True), "results": results})
     print(f"\nwrote {out}")
 
 
