@@ -73,6 +73,7 @@ def test_grid_and_report_end_to_end(tmp_path):
     proc = subprocess.run(grid, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "grid: 4/4 runs finished" in proc.stdout
+    assert "24/24" in proc.stderr  # the progress bar counts every job's steps (4 jobs × 6)
     jobs = read_jsonl(tmp_path / "logs/grid.jsonl")
     assert sorted((j["cell"], j["seed"]) for j in jobs) == [
         ("cpu/grt_isoflops_core2", 1), ("cpu/grt_isoflops_core2", 2), ("cpu/mor_isoflops", 1), ("cpu/mor_isoflops", 2)]
@@ -106,3 +107,25 @@ def test_grid_and_report_end_to_end(tmp_path):
         "flops_per_token_nominal"]
     assert Path(out / "loss_vs_r.png").stat().st_size > 10_000
     held.close()
+
+
+def test_grid_refuses_a_bad_override_before_any_job_starts(tmp_path, capsys):
+    from grt_megatron.launch import grid
+
+    with pytest.raises(SystemExit) as stop:
+        grid.main(["cpu/dense", "cpu/grt_isoflops", "--seeds", "1", "--log-dir", str(tmp_path / "logs"), "--",
+                   "train.iters=0"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "grt-grid: error: cpu/dense seed 1 budget 1.0: train.iters must be >= 1, got 0"
+    assert not (tmp_path / "logs").exists()  # nothing started, nothing written
+
+
+def test_grid_reads_a_runs_latest_step_from_the_end_of_its_metrics(tmp_path):
+    from grt_megatron.launch.grid import latest_step
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert latest_step(metrics) == 0  # not started
+    rows = [{"step": i, "loss": 3.0} for i in range(1, 2001)] + [{"step": 2000, "valid_loss": 2.9}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2001, "lo')  # a line being written
+    assert latest_step(metrics) == 2000

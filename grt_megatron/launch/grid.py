@@ -6,7 +6,9 @@ Each job is `grt-train experiment=CELL seed=S experiment.budget=B resume=auto [o
 process with `OMP_NUM_THREADS = cores / workers` (on a small CPU, two one-thread runs train ~1.3× more
 tokens per second in all than one two-thread run). `resume=auto` makes the grid restartable: a killed
 grid continues each cell from its last checkpoint, and a finished cell returns at once. Jobs are taken
-cell by cell, so the seeds of a cell finish together. On a cluster, submit cells with `grt-submit` or
+cell by cell, so the seeds of a cell finish together. Every job's configuration is composed before any
+starts (a recipe or override that does not compose is refused at once, in one line), and the progress bar
+counts the steps of all jobs together, read from each run's metrics.jsonl. On a cluster, submit cells with `grt-submit` or
 hydra multirun instead (`grt-train -m experiment=small/dense,small/grt_isoflops seed=1,2,3`).
 """
 
@@ -18,12 +20,12 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from tqdm import tqdm
 
-from grt_megatron.training.cli import RECIPES
+from grt_megatron.training.cli import RECIPES, rewrite_data_argument
 
 
 def _fail(message: str) -> None:
@@ -55,6 +57,50 @@ LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
                 "MASTER_ADDR", "MASTER_PORT"}
 
 
+def job_arguments(cell: str, seed: int, budget: float, overrides: list[str]) -> list[str]:
+    return [f"experiment={cell}", f"seed={seed}", f"experiment.budget={budget}", "resume=auto", *overrides]
+
+
+def plan_jobs(jobs, overrides: list[str]) -> list[tuple[Path, int]]:
+    """(run dir, train.iters) of every job, composed as grt-train composes it; the first job whose
+    configuration does not compose or validate ends the grid before any job starts."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from grt_megatron.data import DataError
+    from grt_megatron.model import ConfigError
+    from grt_megatron.training.config import build_run_config
+
+    plans = []
+    with initialize_config_dir(config_dir=str(RECIPES.resolve()), version_base="1.3"):
+        for cell, seed, budget in jobs:
+            try:
+                cfg = build_run_config(compose("train", overrides=rewrite_data_argument(
+                    job_arguments(cell, seed, budget, overrides))), world_size=1)  # each job is a world of one
+            except (HydraException, OmegaConfBaseException, ConfigError, DataError) as err:
+                _fail(f"{cell} seed {seed} budget {budget}: {str(err).splitlines()[0]}")
+            plans.append((Path(cfg.run.dir), cfg.train.iters))
+    return plans
+
+
+def latest_step(metrics: Path) -> int:
+    """The last step a run's metrics.jsonl records (0 before its first record), read from the file's end."""
+    try:
+        with metrics.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):  # a line cut by the seek, or one being written
+            continue
+    return 0
+
+
 def log_tail(path: Path, lines: int = 5) -> str:
     """The last lines of a failed job's log: usually the one-line error that says why."""
     try:
@@ -66,7 +112,7 @@ def log_tail(path: Path, lines: int = 5) -> str:
 
 def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: int, log_dir: Path) -> dict:
     log = log_dir / f"{cell.replace('/', '__')}-budget{budget}-seed{seed}.log"
-    args = [f"experiment={cell}", f"seed={seed}", f"experiment.budget={budget}", "resume=auto", *overrides]
+    args = job_arguments(cell, seed, budget, overrides)
     # This interpreter's grt-train, whether or not the environment's bin folder is on PATH.
     cmd = [sys.executable, "-m", "grt_megatron.training.cli", *args]
     # Each job is a world of one on its own free port: a launcher's RANK / MASTER_PORT inherited from
@@ -86,22 +132,36 @@ def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    args.log_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(c, s, b) for b in args.budgets for c in args.cells for s in args.seeds]
+    plans = plan_jobs(jobs, args.overrides)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.workers)
-    start, failed = time.perf_counter(), []
-    with ThreadPoolExecutor(args.workers) as pool, (args.log_dir / "grid.jsonl").open("a") as record:
-        futures = [pool.submit(run_job, c, s, b, args.overrides, threads, args.log_dir) for c, s, b in jobs]
-        for future in tqdm(as_completed(futures), total=len(futures), desc="grid", unit="run", dynamic_ncols=True):
-            result = future.result()
-            record.write(json.dumps(result) + "\n")
-            record.flush()
-            status = "ok" if result["returncode"] == 0 else f"FAILED (exit {result['returncode']})"
-            tqdm.write(f"{result['cell']} seed {result['seed']} budget {result['budget']}: {status} in "
-                       f"{result['seconds']:.0f} s ({result['log']})")
-            if result["returncode"]:
-                failed.append(result)
-                tqdm.write(log_tail(Path(result["log"])))
+
+    def steps_done() -> int:  # resumed jobs count the steps they had
+        return sum(min(latest_step(run_dir / "metrics.jsonl"), iters) for run_dir, iters in plans)
+
+    start, failed, finished = time.perf_counter(), [], 0
+    interactive = sys.stderr.isatty()
+    with ThreadPoolExecutor(args.workers) as pool, (args.log_dir / "grid.jsonl").open("a") as record, \
+            tqdm(total=sum(iters for _, iters in plans), initial=steps_done(), desc="grid", unit="step",
+                 dynamic_ncols=True, mininterval=1 if interactive else 60) as bar:
+        pending = {pool.submit(run_job, c, s, b, args.overrides, threads, args.log_dir) for c, s, b in jobs}
+        bar.set_postfix_str(f"0/{len(jobs)} runs")
+        while pending:
+            done, pending = wait(pending, timeout=5, return_when=FIRST_COMPLETED)
+            for future in done:
+                result = future.result()
+                finished += 1
+                record.write(json.dumps(result) + "\n")
+                record.flush()
+                status = "ok" if result["returncode"] == 0 else f"FAILED (exit {result['returncode']})"
+                tqdm.write(f"{result['cell']} seed {result['seed']} budget {result['budget']}: {status} in "
+                           f"{result['seconds']:.0f} s ({result['log']})")
+                if result["returncode"]:
+                    failed.append(result)
+                    tqdm.write(log_tail(Path(result["log"])))
+                bar.set_postfix_str(f"{finished}/{len(jobs)} runs", refresh=False)
+            bar.update(steps_done() - bar.n)
     print(f"grid: {len(jobs) - len(failed)}/{len(jobs)} runs finished in {time.perf_counter() - start:.0f} s")
     if failed:
         sys.exit(1)
