@@ -8,8 +8,8 @@ tokens per second in all than one two-thread run). `resume=auto` makes the grid 
 grid continues each cell from its last checkpoint, and a finished cell returns at once. Jobs are taken
 cell by cell, so the seeds of a cell finish together. Every job's configuration is composed before any
 starts (a recipe or override that does not compose is refused at once, in one line), and the progress bar
-counts the steps of all jobs together, read from each run's metrics.jsonl. On a cluster, submit cells with `grt-submit` or
-hydra multirun instead (`grt-train -m experiment=small/dense,small/grt_isoflops seed=1,2,3`).
+counts the steps of all jobs together, read from each run's metrics.jsonl. On a cluster, submit cells with
+`grt-submit` or hydra multirun instead (`grt-train -m experiment=small/dense,small/grt_isoflops seed=1,2,3`).
 """
 
 from __future__ import annotations
