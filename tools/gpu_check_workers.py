@@ -28,12 +28,9 @@ def _quiet_imports():
 
 
 def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
+    from grt_megatron.training.cli import compose_run_config
 
-    from grt_megatron.training.config import build_run_config
-
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        return build_run_config(compose("train", overrides=[*overrides, "run.dir=unused"]))
+    return compose_run_config([*overrides, "run.dir=unused"])
 
 
 def _tf32_off() -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from grt_megatron.training.cli import RECIPES, rewrite_data_argument
+from grt_megatron.training.cli import RECIPES
 
 
 def _fail(message: str) -> None:
@@ -64,23 +64,20 @@ def job_arguments(cell: str, seed: int, budget: float, overrides: list[str]) -> 
 def plan_jobs(jobs, overrides: list[str]) -> list[tuple[Path, int]]:
     """(run dir, train.iters) of every job, composed as grt-train composes it; the first job whose
     configuration does not compose or validate ends the grid before any job starts."""
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from grt_megatron.data import DataError
     from grt_megatron.model import ConfigError
-    from grt_megatron.training.config import build_run_config
+    from grt_megatron.training.cli import compose_run_config
 
     plans = []
-    with initialize_config_dir(config_dir=str(RECIPES.resolve()), version_base="1.3"):
-        for cell, seed, budget in jobs:
-            try:
-                cfg = build_run_config(compose("train", overrides=rewrite_data_argument(
-                    job_arguments(cell, seed, budget, overrides))), world_size=1)  # each job is a world of one
-            except (HydraException, OmegaConfBaseException, ConfigError, DataError) as err:
-                _fail(f"{cell} seed {seed} budget {budget}: {str(err).splitlines()[0]}")
-            plans.append((Path(cfg.run.dir), cfg.train.iters))
+    for cell, seed, budget in jobs:
+        try:
+            cfg = compose_run_config(job_arguments(cell, seed, budget, overrides), world_size=1)  # a world of one
+        except (HydraException, OmegaConfBaseException, ConfigError, DataError) as err:
+            _fail(f"{cell} seed {seed} budget {budget}: {str(err).splitlines()[0]}")
+        plans.append((Path(cfg.run.dir), cfg.train.iters))
     return plans
 
 

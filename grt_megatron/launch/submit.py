@@ -79,20 +79,15 @@ def world_size(settings: dict) -> int:
 def validate_run(run_dir: Path, settings: dict) -> None:
     """Refuse now what grt-train would refuse at its start, at the job's world size, with the same code
     (hydra composes the job's overrides, `build_run_config` checks the layout, batch split and model)."""
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from grt_megatron.model.config import ConfigError
-    from grt_megatron.training.cli import RECIPES, rewrite_data_argument
-    from grt_megatron.training.config import build_run_config
+    from grt_megatron.training.cli import compose_run_config
 
     world = world_size(settings)
-    overrides = [*rewrite_data_argument(list(settings["overrides"])), f"run.dir={run_dir}", "resume=auto"]
     try:
-        with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3", job_name="grt-submit"):
-            cfg = compose("train", overrides=overrides)
-        build_run_config(cfg, world_size=world)
+        compose_run_config([*settings["overrides"], f"run.dir={run_dir}", "resume=auto"], world_size=world)
     except ConfigError as err:
         raise SubmitError(f"grt-train would refuse this run on {world} processes: {err}") from None
     except (HydraException, OmegaConfBaseException) as err:

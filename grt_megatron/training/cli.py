@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Optional, Sequence
 
 import hydra
 from omegaconf import DictConfig
@@ -32,6 +33,20 @@ def rewrite_data_argument(args: list[str], recipes: Path = RECIPES) -> list[str]
         else:
             out.append(arg)
     return out
+
+
+def compose_run_config(overrides: Sequence[str], world_size: Optional[int] = None):
+    """The RunConfig grt-train builds from these command-line overrides (the `data=` shorthand included) at
+    `world_size` processes (default: the launcher's), composed and checked without starting anything:
+    what grt-submit and grt-grid refuse before a job starts. Overrides that do not compose raise hydra's or
+    OmegaConf's error; settings grt-train refuses raise ConfigError (or DataError for a probe prefix)."""
+    from hydra import compose, initialize_config_dir
+
+    from grt_megatron.training.config import build_run_config
+
+    with initialize_config_dir(config_dir=str(RECIPES.resolve()), version_base="1.3"):
+        cfg = compose("train", overrides=rewrite_data_argument(list(overrides)))
+    return build_run_config(cfg, world_size=world_size)
 
 
 # Exit statuses (README "Exit codes"): 0 trained, or stopped on request with a checkpoint to resume from;
