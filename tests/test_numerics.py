@@ -122,3 +122,42 @@ def test_bf16_gradients_accumulate_and_reduce_in_fp32(world, zero_stage):
     engine.backward(engine(tokens, tokens).mean())
     engine.step()
     assert engine.global_steps == 1
+
+
+ENGINE_PATHS = [("fp32", 0, "fp32", False), ("bf16", 0, "fp32", False), ("bf16", 0, "bf16", False),
+                ("fp32", 1, "fp32", True), ("bf16", 2, "fp32", True)]
+
+
+@pytest.mark.parametrize("precision,zero_stage,accum,reduces", ENGINE_PATHS,
+                         ids=[f"{p}-zero{z}-accum{a}" for p, z, a, _ in ENGINE_PATHS])
+def test_one_rank_skips_the_gradient_all_reduce_and_trains_the_same_bits(world, precision, zero_stage, accum,
+                                                                          reduces):
+    """With one data-parallel rank the engine skips DeepSpeed's gradient all-reduce where it only
+    communicates (no ZeRO, the BF16 optimizer): two steps of two micro-batches give the same weights, to the
+    bit, as with the all-reduce forced back on. ZeRO's optimizers partition gradients in that call: kept."""
+    from grt_megatron.model import GRTLanguageModel
+    from grt_megatron.parallel.deepspeed_engine import build_engine
+    from grt_megatron.training.config import build_run_config
+    from grt_megatron.training.step_guard import master_weights
+
+    run = build_run_config({"model": {k: v for k, v in RECIPE.items() if k != "vocab_size"},
+                            "train": {"precision": precision, "micro_batch_size": 2, "global_batch_size": 4,
+                                      "grad_clip": 1.0, "warmup_iters": 1},
+                            "data": {"source": "unused"},
+                            "deepspeed": {"zero_stage": zero_stage, "grad_accum_dtype": accum}}, world_size=1)
+    tokens = torch.randint(0, 300, (4, 2, 32), generator=torch.Generator().manual_seed(3))
+
+    def trained(all_reduce):
+        engine = build_engine(GRTLanguageModel(run.model_config(300), init_seed=0), run, dp_size=1)
+        assert engine.enable_backward_allreduce is reduces
+        engine.enable_backward_allreduce = all_reduce
+        for micro in tokens:
+            engine.backward(engine(micro, micro).mean())
+            engine.step()
+        assert engine.global_steps == 2
+        return [p.detach().clone() for p in master_weights(engine)], list(engine.module.parameters())
+
+    (skipped, model), (reduced, _) = trained(reduces), trained(True)
+    assert len(skipped) == len(reduced) > 0 and all(torch.equal(a, b) for a, b in zip(skipped, reduced))
+    initial = list(GRTLanguageModel(run.model_config(300), init_seed=0).parameters())
+    assert sum(not torch.equal(a, b) for a, b in zip(model, initial)) > len(initial) // 2  # it trained

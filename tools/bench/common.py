@@ -68,17 +68,23 @@ def deepspeed_engine(model, run):
     return build_engine(model, run, dp_size=1)
 
 
+def cpu_run_config(recipe: str, batch: int, width: int | None = None, seq: int = 128, *overrides: str):
+    """(run config, model config) of recipe `recipe` in fp32 at the CPU benchmarks' vocabulary; `width`
+    scales the hidden size down (4 heads, `seq` tokens) so that the larger shapes run on a CPU in minutes."""
+    scaled = [] if width is None else [f"model.hidden_size={width}", "model.num_attention_heads=4",
+                                       f"model.max_sequence_length={seq}"]
+    run = run_config(recipe, batch, "fp32", *scaled, *overrides)
+    return run, run.model_config(CPU_VOCAB)
+
+
 def cpu_step_engine(recipe: str, batch: int, seed: int, width: int | None = None, seq: int = 128):
-    """(run config, model config, engine) of recipe `recipe` in fp32, weights from `seed`; `width` scales the
-    hidden size down (4 heads, `seq` tokens) so that the larger shapes run on a CPU in minutes."""
+    """(run config, model config, engine) of `cpu_run_config(recipe, batch, width, seq)`, weights from
+    `seed`."""
     import torch
 
     from grt_megatron.model import GRTLanguageModel
 
-    scaled = [] if width is None else [f"model.hidden_size={width}", "model.num_attention_heads=4",
-                                       f"model.max_sequence_length={seq}"]
-    run = run_config(recipe, batch, "fp32", *scaled)
-    model_cfg = run.model_config(CPU_VOCAB)
+    run, model_cfg = cpu_run_config(recipe, batch, width, seq)
     torch.manual_seed(seed)
     return run, model_cfg, deepspeed_engine(GRTLanguageModel(model_cfg, init_seed=seed), run)
 

@@ -1,6 +1,7 @@
-"""Framework overhead: the same GRT training step in grt-megatron (megatron-core layers, DeepSpeed ZeRO 0,
-one process) and in plain PyTorch (the exported `modeling_grt.py`: torch modules, torch AdamW, torch's grad
-clipping), at the same shape, batch and weights.
+"""Framework overhead: the same GRT training step in grt-megatron (the step grt-train runs: `parallelize`,
+the step runner's `train_step` with its loss, non-finite guard and gradient clipping; megatron-core layers,
+DeepSpeed ZeRO 0, one process) and in plain PyTorch (the exported `modeling_grt.py`: torch modules, torch
+AdamW, torch's grad clipping), at the same shape, batch and weights.
 
     python tools/bench/overhead.py [--shapes tiny,small] [--steps 20]
 
@@ -23,40 +24,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 from tools.bench import common  # noqa: E402
 
 import torch  # noqa: E402
-from deepspeed.runtime.utils import clip_grad_norm_  # noqa: E402
 
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.hf.convert import build_hf_model  # noqa: E402
+from grt_megatron.model import DepthDraw  # noqa: E402
+from grt_megatron.parallel.parallelize import parallelize  # noqa: E402
+from grt_megatron.training.step_guard import LossSpikeDetector, install_step_guard  # noqa: E402
+from grt_megatron.training.step_runner import build_step_runner  # noqa: E402
 
 TARGETS = {"tiny": 1.10, "small": 1.05}
 """grt-megatron's step over plain PyTorch's, at most (issue 20)."""
 
-def plain_step(model, optimizer, x, y):
+def plain_step(model, optimizer, x, y, grad_clip):
     logits = model(x, use_cache=False).logits
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def framework_step(engine, cfg, x, y, grad_clip):
-    loss = engine(x, y, cfg.recurrences, cfg.recurrences, list(range(len(x)))).mean()
-    engine.backward(loss)
-    clip_grad_norm_(list(engine.module.parameters()), grad_clip, mpu=engine.mpu)  # as grt-train clips
-    engine.step()
+def framework_runner(run, cfg, info):
+    """grt-train's model, engine, non-finite guard and step runner for `run` (trainer.py builds the same)."""
+    parallel = parallelize(cfg, run)
+    install_step_guard(parallel.engine)
+    spikes = LossSpikeDetector(run.train.loss_spike_factor, run.train.loss_spike_window)
+    return parallel.engine, build_step_runner(parallel, run, info, spikes, valid_samples=0)
 
 
 def main() -> None:
     parser = common.argument_parser(__doc__)
     common.add_step_arguments(parser)
     args = common.parse_args(parser, "overhead")
-    init_distributed(seed=0)
+    info = init_distributed(seed=0)
 
     results = []
     for shape in args.shapes.split(","):
         recipe, width = common.CPU_SHAPES[shape]
-        run, cfg, engine = common.cpu_step_engine(recipe, args.batch, seed=0, width=width)
+        run, cfg = common.cpu_run_config(recipe, args.batch, width)
+        engine, runner = framework_runner(run, cfg, info)
         weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()
                    if torch.is_tensor(v) and not k.endswith("_extra_state")}
         plain = build_hf_model(weights, cfg.to_dict()).train()
@@ -67,6 +73,8 @@ def main() -> None:
                                       weight_decay=t.weight_decay)
         seq = cfg.max_sequence_length
         x, y = common.random_batch(args.batch, seq)
+        rows = torch.cat([x, y[:, -1:]], dim=1)  # the loader's rows: seq + 1 tokens, shifted in the step
+        seeds, draw = list(range(args.batch)), DepthDraw(cfg.recurrences, cfg.recurrences)
         sigma = cfg.noise_sigma
         times = {"grt-megatron": [], "grt-megatron, noise off": [], "plain PyTorch": []}
         for step in range(args.warmup + args.steps):
@@ -75,9 +83,9 @@ def main() -> None:
                 cfg.noise_sigma = 0.0 if name.endswith("noise off") else sigma
                 start = time.perf_counter()
                 if name == "plain PyTorch":
-                    plain_step(plain, optimizer, x, y)
+                    plain_step(plain, optimizer, x, y, t.grad_clip)
                 else:
-                    framework_step(engine, cfg, x, y, t.grad_clip)
+                    runner.train_step(rows, seeds, draw, step)
                 if step >= args.warmup:
                     times[name].append(time.perf_counter() - start)
         cfg.noise_sigma = sigma
