@@ -77,8 +77,10 @@ def main() -> None:
         seeds, draw = list(range(args.batch)), DepthDraw(cfg.recurrences, cfg.recurrences)
         sigma = cfg.noise_sigma
         times = {"grt-megatron": [], "grt-megatron, noise off": [], "plain PyTorch": []}
+        names = list(times)
         for step in range(args.warmup + args.steps):
-            for name in times:
+            # The order rotates step by step, so that no model always runs right after another.
+            for name in names[step % 3:] + names[:step % 3]:
                 # The block reads the noise σ from its config at every step: 0 draws nothing.
                 cfg.noise_sigma = 0.0 if name.endswith("noise off") else sigma
                 start = time.perf_counter()
@@ -90,12 +92,18 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
         cfg.noise_sigma = sigma
         medians = {k: statistics.median(v) for k, v in times.items()}
+        # Each step's own ratio (the three timed back to back), so that the machine's drift over the run
+        # cancels; its quartiles say how far one step's ratio strays.
+        paired = {k: sorted(a / b for a, b in zip(times[k], times["plain PyTorch"]))
+                  for k in ("grt-megatron", "grt-megatron, noise off")}
+        quartiles = {k: statistics.quantiles(v, n=4) for k, v in paired.items()}
         target = TARGETS[shape]
         row = {"shape": shape, "model": cfg.shape_name, "hidden_size": cfg.hidden_size, "batch": args.batch,
                "seq_length": seq, "noise_sigma": sigma, "median_step_s": medians, "target": target,
                "framework_over_plain_step_time": medians["grt-megatron"] / medians["plain PyTorch"],
                "framework_noise_off_over_plain_step_time":
-                   medians["grt-megatron, noise off"] / medians["plain PyTorch"]}
+                   medians["grt-megatron, noise off"] / medians["plain PyTorch"],
+               "paired_ratio_quartiles": quartiles}
         results.append(row)
         print(f"\n{shape} ({cfg.shape_name}, d {cfg.hidden_size}): batch {args.batch} × {seq}, median of "
               f"{args.steps} steps (CPU, fp32)")
@@ -103,6 +111,8 @@ def main() -> None:
             print(f"  {k:<26}{1e3 * v:>9.1f} ms")
         print(f"  grt-megatron / plain: {row['framework_over_plain_step_time']:.3f} with noise σ {sigma}, "
               f"{row['framework_noise_off_over_plain_step_time']:.3f} without (target <= {target})")
+        for k, (q1, q2, q3) in quartiles.items():
+            print(f"  {k} / plain, step by step: median {q2:.3f}, quartiles {q1:.3f}–{q3:.3f}")
     out = common.write_result(args.output, {**common.stamp("overhead", with_torch=True), "results": results})
     print(f"\nwrote {out}")
 
