@@ -121,12 +121,17 @@ def test_report_shows_the_depth_probe_by_k_and_by_r(tmp_path):
     assert rows["grt"]["probe"]["probe_answer_nll_k1"][0] == pytest.approx(0.15)
     assert rows["grt"]["probe_sweep"][3]["probe_accuracy_k4"] == pytest.approx(0.315)  # 0.31 and 0.32
     assert rows["dense"]["probe_sweep"] == {}
+    # Over training: every evaluation's probe, mean and std over the seeds (steps 10, 20, 30).
+    history = rows["grt"]["probe_history"]
+    assert sorted(history) == [10, 20, 30] and history[10]["probe_accuracy_k4"] == (0.0, 0.0)
+    assert history[30]["probe_accuracy_k1"] == (pytest.approx(0.85), pytest.approx(statistics.stdev([0.9, 0.8])))
     report = (out / "report.md").read_text()
     assert "## Depth probe" in report and "| cell | shape | seeds | k=1 | k=4 |" in report
     assert "| grt | 1+1x3+1 | 2 | 0.8500 ± 0.0707 (0.15) | 0.4000 ± 0.1414 (1.60) |" in report
     assert report.index("| grt | 1+1x3+1 | 2 |") < report.index("| dense | 1+1x3+1 | 2 |")  # by accuracy at k=4
     assert "| grt | 4 | 0.115 | 0.215 | **0.315** |" in report
-    for png in ("probe_accuracy.png", "probe_vs_r.png"):
+    assert "(probe_curves.png)" in report
+    for png in ("probe_accuracy.png", "probe_curves.png", "probe_vs_r.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     write_report(find_runs([tmp_path / "runs/dense"]), out, "test")  # no sweep: no stale plot kept
     assert (out / "probe_accuracy.png").exists() and not (out / "probe_vs_r.png").exists()

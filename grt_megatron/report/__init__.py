@@ -6,7 +6,7 @@ RUN_DIRS are run directories (`run_info.json` + `metrics.jsonl`) or folders sear
 grouped into cells by `experiment.name` and `experiment.budget` (else by run name or model shape); a cell's
 seeds give the mean ± sample standard deviation. Any subset of a grid works. The output folder gets
 `report.md`, `summary.json`, `loss_curves.png`, `delta_vs_dense.png`, `loss_vs_r.png` and, for runs with a depth probe,
-`probe_accuracy.png` and `probe_vs_r.png`; each file is
+`probe_accuracy.png`, `probe_curves.png` (accuracy over training) and `probe_vs_r.png`; each file is
 written whole or not at all. Non-dense cells are paired seed by seed with dense, and recurrent ones also with
 the GRT cell of their comparison (ablations).
 """
@@ -27,6 +27,7 @@ from grt_megatron.report.plots import (
     plot_loss_curves,
     plot_loss_vs_r,
     plot_probe_accuracy,
+    plot_probe_curves,
     plot_probe_vs_r,
 )
 from grt_megatron.report.stats import summarize
@@ -39,7 +40,8 @@ def write_report(runs: list[Run], output: Path, command: str) -> list[dict]:
     output.mkdir(parents=True, exist_ok=True)
     plot_loss_curves(runs, rows, output / "loss_curves.png")
     for name, plot in (("loss_vs_r.png", plot_loss_vs_r), ("delta_vs_dense.png", plot_delta_vs_dense),
-                       ("probe_accuracy.png", plot_probe_accuracy), ("probe_vs_r.png", plot_probe_vs_r)):
+                       ("probe_accuracy.png", plot_probe_accuracy), ("probe_curves.png", plot_probe_curves),
+                       ("probe_vs_r.png", plot_probe_vs_r)):
         if not plot(rows, output / name) and (output / name).exists():
             (output / name).unlink()  # a stale plot from an earlier report of other runs
     write_atomic(output / "summary.json", lambda p: p.write_text(json.dumps(rows, indent=2) + "\n"))

@@ -52,6 +52,8 @@ class Run:
     """The depth probe at the last evaluation (`probe_accuracy_kK`, `probe_answer_nll_kK`, ...)."""
     probe_sweep: dict[int, dict[str, float]] = field(default_factory=dict)
     """The depth probe by inference R (the depth sweep)."""
+    probe_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """(step, the depth probe) at every evaluation: when, in training, each k was learned."""
 
     @property
     def best_valid(self) -> float:
@@ -117,7 +119,7 @@ def load_run(path: Path) -> Optional[Run]:
     seq_len = (config.get("train") or {}).get("seq_length") or model.get("max_sequence_length", 1024)
     tokens_per_step = None
     train, valid, sweep, executed, diagnostics, other_routing = [], [], {}, [], {}, {}
-    exit_rule, probe, probe_sweep = None, {}, {}
+    exit_rule, probe, probe_sweep, probe_history = None, {}, {}, []
     for r in records:
         split = r.get("split", "train")
         if split == "train" and "loss" in r:
@@ -132,6 +134,8 @@ def load_run(path: Path) -> Optional[Run]:
             diagnostics = {k: _number(v) for k, v in r.items()
                            if k.startswith(("gate_mean_r", "relative_update_r", "active_fraction_r", "exit_"))}
             probe = _probe_metrics(r)
+            if probe:
+                probe_history.append((int(r["step"]), probe))
             if r.get("loss_exit_rule") is not None:
                 exit_rule = min(_number(r["loss_exit_rule"]), math.inf if exit_rule is None else exit_rule)
             for k, v in r.items():
@@ -155,7 +159,7 @@ def load_run(path: Path) -> Optional[Run]:
         tokens=train[-1][0] if train else 0, steps=max(int(r["step"]) for r in records),
         valid=[(step * tokens_per_step, loss) for step, loss in valid], train=train, depth_sweep=sweep,
         diagnostics=diagnostics, other_routing=other_routing, exit_rule=exit_rule, probe=probe,
-        probe_sweep=probe_sweep, finished=max(int(r["step"]) for r in records) >= int(
+        probe_sweep=probe_sweep, probe_history=probe_history, finished=max(int(r["step"]) for r in records) >= int(
             (config.get("train") or {}).get("iters", 0)),
     )
 

@@ -119,6 +119,8 @@ def markdown(rows: list[dict], command: str) -> str:
         lines += ["![loss vs R at inference](loss_vs_r.png)", ""]
     if any(r.get("probe") for r in rows):
         lines += ["![depth probe: accuracy vs k](probe_accuracy.png)", ""]
+    if any(len(r.get("probe_history") or {}) > 1 for r in rows):
+        lines += ["![depth probe: accuracy over training](probe_curves.png)", ""]
     if any(len(r.get("probe_sweep") or {}) > 1 for r in rows):
         lines += ["![depth probe: accuracy vs R at inference](probe_vs_r.png)", ""]
     return "\n".join(lines)

@@ -163,3 +163,33 @@ def plot_probe_vs_r(rows: list[dict], path: Path) -> bool:
     axes[0][-1].legend(fontsize=7)
     _save_figure(fig, path)
     return True
+
+
+def plot_probe_curves(rows: list[dict], path: Path) -> bool:
+    """The depth probe's accuracy over training, one panel per k (mean over seeds, band: ± their std):
+    when each depth of lookup is learned, and whether it is learned at all."""
+    hops = probe_hops_of(rows)
+    traced = [r for r in rows if len(r.get("probe_history") or {}) > 1]
+    if not hops or not traced:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(hops), figsize=(3.6 * len(hops), 3.8), squeeze=False, sharey=True)
+    for ax, k in zip(axes[0], hops):
+        key = f"probe_accuracy_k{k}"
+        for r in traced:
+            history = {int(s): v[key] for s, v in r["probe_history"].items() if key in v}
+            steps = sorted(history)
+            means = [history[s][0] for s in steps]
+            line, = ax.plot(steps, means, marker="o", markersize=2, label=cell_label(r))
+            stds = [history[s][1] for s in steps]
+            if all(sd == sd for sd in stds):  # more than one seed
+                ax.fill_between(steps, [m - sd for m, sd in zip(means, stds)],
+                                [m + sd for m, sd in zip(means, stds)], alpha=0.15, color=line.get_color())
+        ax.set_title(f"k = {k}")
+        ax.set_xlabel("training step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("answer accuracy (band: ± std over seeds)")
+    axes[0][-1].legend(fontsize=7)
+    _save_figure(fig, path)
+    return True

@@ -42,6 +42,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
             "probe": {k: _mean_std([r.probe[k] for r in group])
                       for k in sorted(set.intersection(*(set(r.probe) for r in group)))},
             "probe_sweep": _probe_sweep(group),
+            "probe_history": _probe_history(group),
             "runs": [str(r.path) for r in group],
         })
     _paired_with_dense(rows, cells)
@@ -55,6 +56,14 @@ def _probe_sweep(group: list[Run]) -> dict[int, dict[str, float]]:
     depths = sorted(set.intersection(*(set(r.probe_sweep) for r in group)))
     return {d: {k: statistics.fmean(r.probe_sweep[d][k] for r in group)
                 for k in sorted(set.intersection(*(set(r.probe_sweep[d]) for r in group)))} for d in depths}
+
+
+def _probe_history(group: list[Run]) -> dict[int, dict[str, tuple[float, float]]]:
+    """The depth probe at each training step every seed evaluated: (mean, std) over the seeds."""
+    histories = [dict(r.probe_history) for r in group]
+    steps = sorted(set.intersection(*(set(h) for h in histories)))
+    return {s: {k: _mean_std([h[s][k] for h in histories])
+                for k in sorted(set.intersection(*(set(h[s]) for h in histories)))} for s in steps}
 
 
 def _paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
