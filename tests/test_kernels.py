@@ -88,3 +88,39 @@ def test_fused_bias_dropout_add_computes_the_unfused_function(world):
         results.append(loss_and_grads(model, tokens))
     unfused, fused = results
     assert_same_step(fused, unfused, loss_rtol=1e-6, grad_rtol=1e-5, grad_atol=1e-7)
+
+
+@pytest.mark.parametrize("bias,precision", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
+def test_local_linears_compute_megatrons_linear_to_the_bit(world, monkeypatch, bias, precision):
+    """On one tensor-parallel rank the block's and layers' linears run `input @ weight.t() (+ bias)` through
+    torch's autograd instead of megatron's Python autograd Function: the same loss and every gradient to
+    the bit, with biases and in bf16 (the RRT's LoRA hooks and tied heads included)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from grt_megatron.model import specs
+
+    tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    recipes = [dict(add_bias_linear=bias), dict(add_bias_linear=bias, lora_rank=2, tie_embeddings=True)]
+    for recipe in recipes:
+        results, calls = [], []
+        for megatron in (False, True):
+            with monkeypatch.context() as patch:
+                if megatron:
+                    patch.setattr(specs._TorchAutogradWhenLocal, "_forward_impl", ColumnParallelLinear._forward_impl)
+                else:
+                    local = specs._TorchAutogradWhenLocal._forward_impl
+                    patch.setattr(specs._TorchAutogradWhenLocal, "_forward_impl",
+                                  lambda self, *a, **k: calls.append(type(self).__name__) or local(self, *a, **k))
+                model = GRTLanguageModel(tiny_config(**recipe), init_seed=5).train()
+                if precision == "bf16":
+                    model = model.bfloat16()
+                torch.manual_seed(11)
+                results.append(loss_and_grads(model, tokens))
+        assert {"ColumnLinear", "RowLinear"} <= set(calls)  # the local path ran
+        # 4 linears in each of 5 layer executions (prelude, core 3×, coda), per step the injection and the
+        # gate's 2 (3 steps), and the head.
+        assert len(calls) == 4 * 5 + 3 * 3 + 1
+        ours, megatrons = results
+        assert torch.equal(ours[0], megatrons[0])
+        assert ours[1].keys() == megatrons[1].keys()
+        assert all(torch.equal(ours[1][n], megatrons[1][n]) for n in ours[1])

@@ -21,7 +21,7 @@ from grt_megatron.model.init import piece_rng
 from grt_megatron.model.layers import document_attention_mask
 from grt_megatron.model.loss import chunked_vocab_parallel_cross_entropy
 from grt_megatron.model.ouro import EXIT_RULES, build_exit_head, exit_log_probs, exit_steps, looped_loss
-from grt_megatron.model.specs import get_grt_block_spec, get_norm_spec
+from grt_megatron.model.specs import ColumnLinear, get_grt_block_spec, get_norm_spec
 
 
 def attention_mask_of(config: GRTConfig, document_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -59,10 +59,10 @@ def build_final_norm(config: GRTConfig, init_seed: int) -> torch.nn.Module:
                             eps=config.layernorm_epsilon)
 
 
-def build_output_layer(config: GRTConfig, init_seed: int, tied: bool) -> tensor_parallel.ColumnParallelLinear:
+def build_output_layer(config: GRTConfig, init_seed: int, tied: bool) -> ColumnLinear:
     """The LM head; with `tied` it owns no weight and is called with the embedding's."""
     with piece_rng(init_seed, "output_layer"):
-        return tensor_parallel.ColumnParallelLinear(
+        return ColumnLinear(
             config.hidden_size, config.padded_vocab_size, config=config, init_method=config.init_method,
             bias=False, gather_output=False, skip_weight_param_allocation=tied,
         )

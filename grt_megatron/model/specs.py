@@ -78,6 +78,34 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
+class _TorchAutogradWhenLocal:
+    """megatron-core's parallel linears, whose matrix product runs through torch's own autograd whenever
+    megatron's autograd Function would only multiply: no all-reduce of the input gradient in backward
+    (one tensor-parallel rank, or a row-parallel linear), no sequence parallelism, no fused weight-gradient
+    accumulation, no deferred weight gradients. Megatron's Function then computes
+    `input @ weight.t() (+ bias)` and the same two products in backward, to the bit
+    (tests/test_kernels.py), but in Python: about 0.1 ms a call in eager mode, 70–80 calls in a small GRT's
+    step on a CPU and the host time a GPU step waits for. Everything else goes to megatron's Function."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        local = (not args and weight.requires_grad and not kwargs.get("gradient_accumulation_fusion")
+                 and not kwargs.get("allreduce_dgrad") and not kwargs.get("sequence_parallel")
+                 and kwargs.get("grad_output_buffer") is None)
+        if not local:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        output = torch.matmul(input, weight.t())
+        bias = kwargs.get("bias")
+        return output if bias is None else output + bias
+
+
+class ColumnLinear(_TorchAutogradWhenLocal, ColumnParallelLinear):
+    """`ColumnParallelLinear` (same parameters, same initialisation) with `_TorchAutogradWhenLocal`."""
+
+
+class RowLinear(_TorchAutogradWhenLocal, RowParallelLinear):
+    """`RowParallelLinear` (same parameters, same initialisation) with `_TorchAutogradWhenLocal`."""
+
+
 def get_norm_spec() -> type:
     return TorchNorm
 
@@ -96,6 +124,8 @@ def get_layer_spec(config: GRTConfig) -> ModuleSpec:
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TENorm
         return spec
     attention.core_attention = SDPACoreAttention
+    attention.linear_qkv, attention.linear_proj = ColumnLinear, RowLinear
+    mlp.linear_fc1, mlp.linear_fc2 = ColumnLinear, RowLinear
     spec.submodules.input_layernorm = get_norm_spec()
     spec.submodules.pre_mlp_layernorm = get_norm_spec()
     return spec
@@ -106,9 +136,9 @@ def get_grt_block_spec(config: GRTConfig) -> ModuleSpec:
         module=GatedRecurrentBlock,
         submodules=GatedRecurrentBlockSubmodules(
             layer=get_layer_spec(config),
-            injection=RowParallelLinear,
+            injection=RowLinear,
             gate_norm=get_norm_spec(),
-            gate_fc1=ColumnParallelLinear,
-            gate_fc2=RowParallelLinear,
+            gate_fc1=ColumnLinear,
+            gate_fc2=RowLinear,
         ),
     )
