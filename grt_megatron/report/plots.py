@@ -138,15 +138,29 @@ def plot_probe_accuracy(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def _probe_panels(hops: list[int], draw, xlabel: str, ylabel: str, path: Path) -> None:
+    """One panel per k, side by side on a shared accuracy axis; `draw(ax, k)` plots each panel's lines."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(hops), figsize=(3.6 * len(hops), 3.8), squeeze=False, sharey=True)
+    for ax, k in zip(axes[0], hops):
+        draw(ax, k)
+        ax.set_title(f"k = {k}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=7)
+    _save_figure(fig, path)
+
+
 def plot_probe_vs_r(rows: list[dict], path: Path) -> bool:
     """The depth probe's accuracy vs R at inference, one panel per k."""
     hops = probe_hops_of(rows)
     swept = [r for r in rows if len(r.get("probe_sweep") or {}) > 1]
     if not hops or not swept:
         return False
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(hops), figsize=(3.6 * len(hops), 3.8), squeeze=False, sharey=True)
-    for ax, k in zip(axes[0], hops):
+
+    def draw(ax, k):
         for r in swept:
             sweep = {int(d): v for d, v in r["probe_sweep"].items() if f"probe_accuracy_k{k}" in v}
             ds = sorted(sweep)
@@ -155,13 +169,8 @@ def plot_probe_vs_r(rows: list[dict], path: Path) -> bool:
             if r["recurrences"] in sweep:
                 ax.plot([r["recurrences"]], [sweep[r["recurrences"]][f"probe_accuracy_k{k}"]], marker="*",
                         markersize=11, color=line.get_color())
-        ax.set_title(f"k = {k}")
-        ax.set_xlabel("R at inference (★ trained)")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("answer accuracy")
-    axes[0][-1].legend(fontsize=7)
-    _save_figure(fig, path)
+
+    _probe_panels(hops, draw, "R at inference (★ trained)", "answer accuracy", path)
     return True
 
 
@@ -172,9 +181,8 @@ def plot_probe_curves(rows: list[dict], path: Path) -> bool:
     traced = [r for r in rows if len(r.get("probe_history") or {}) > 1]
     if not hops or not traced:
         return False
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(hops), figsize=(3.6 * len(hops), 3.8), squeeze=False, sharey=True)
-    for ax, k in zip(axes[0], hops):
+
+    def draw(ax, k):
         key = f"probe_accuracy_k{k}"
         for r in traced:
             history = {int(s): v[key] for s, v in r["probe_history"].items() if key in v}
@@ -185,11 +193,6 @@ def plot_probe_curves(rows: list[dict], path: Path) -> bool:
             if all(sd == sd for sd in stds):  # more than one seed
                 ax.fill_between(steps, [m - sd for m, sd in zip(means, stds)],
                                 [m + sd for m, sd in zip(means, stds)], alpha=0.15, color=line.get_color())
-        ax.set_title(f"k = {k}")
-        ax.set_xlabel("training step")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("answer accuracy (band: ± std over seeds)")
-    axes[0][-1].legend(fontsize=7)
-    _save_figure(fig, path)
+
+    _probe_panels(hops, draw, "training step", "answer accuracy (band: ± std over seeds)", path)
     return True
