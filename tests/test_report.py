@@ -115,6 +115,10 @@ def test_report_shows_the_depth_probe_by_k_and_by_r(tmp_path):
         fake_run(tmp_path / f"runs/dense/s{seed}", "dense", seed, [5.1, 4.5, 4.3], comparison="both",
                  model=dict(prelude_layers=0, core_layers=5, coda_layers=0, recurrences=1, gate="none",
                             injection="none"), valid_extra=lambda step, loss: _probe(0.6, 0.1))
+        # A shallower dense cell of the depth curve: compared with the dense reference like any other cell.
+        fake_run(tmp_path / f"runs/dense3/s{seed}", "dense3", seed, [5.2, 4.6, 4.4], comparison="depth",
+                 model=dict(prelude_layers=0, core_layers=3, coda_layers=0, recurrences=1, gate="none",
+                            injection="none"), valid_extra=lambda step, loss, seed=seed: _probe(0.5, 0.05 * seed))
     out = tmp_path / "report"
     rows = {r["cell"]: r for r in write_report(find_runs([tmp_path / "runs"]), out, "test")}
     assert rows["grt"]["probe"]["probe_accuracy_k4"] == (pytest.approx(0.4), pytest.approx(statistics.stdev([0.5, 0.3])))
@@ -130,6 +134,18 @@ def test_report_shows_the_depth_probe_by_k_and_by_r(tmp_path):
     assert "| grt | 1+1x3+1 | 2 | 0.8500 ± 0.0707 (0.15) | 0.4000 ± 0.1414 (1.60) |" in report
     assert report.index("| grt | 1+1x3+1 | 2 |") < report.index("| dense | 1+1x3+1 | 2 |")  # by accuracy at k=4
     assert "| grt | 4 | 0.115 | 0.215 | **0.315** |" in report
+    # Against the dense reference seed by seed: grt k=1 0.9 − 0.6 and 0.8 − 0.6, k=4 0.5 − 0.1 and 0.3 − 0.1;
+    # the nll (1 − acc and 2 − acc here) moves the other way. The reference has no row of zeros.
+    assert rows["grt"]["probe_delta_vs_dense"]["probe_accuracy_k4"] == (
+        pytest.approx(0.3), pytest.approx(statistics.stdev([0.4, 0.2])))
+    assert rows["dense"]["probe_delta_vs_dense"] == {} and rows["dense3"]["probe_delta_vs_dense_seeds"] == 2
+    assert "### Depth probe against dense, seed by seed" in report and "reference's (dense)" in report
+    assert "| grt | 2 | +0.25 ± 0.07 (-0.25) | +0.30 ± 0.14 (-0.30) |" in report
+    assert "| dense3 | 2 | -0.10 ± 0.00 (+0.10) | -0.03 ± 0.04 (+0.03) |" in report
+    assert "| dense | 2 | +0.00" not in report
+    # The depth curve's other dense cells show their loss difference to the reference; the reference does not.
+    assert rows["dense3"]["delta_vs_dense_mean"] == pytest.approx(0.1)
+    assert "| +0.1000 ± 0.0000 |" in report
     assert "(probe_curves.png)" in report
     for png in ("probe_accuracy.png", "probe_curves.png", "probe_vs_r.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,10 +14,14 @@ def _fmt_unfinished(row: dict) -> str:
 
 
 def _fmt_delta(row: dict, name: str = "delta_vs_dense") -> str:
-    if row[f"{name}_mean"] is None or row["variant"] == "dense":
+    # The reference's own zeros are not shown; other dense cells (the probe's depth curve) are.
+    if row[f"{name}_mean"] is None or (row["variant"] == "dense" and row["comparison"] == "both"):
         return ""
-    mean, std = row[f"{name}_mean"], row[f"{name}_std"]
-    return f"{mean:+.4f}" if math.isnan(std) else f"{mean:+.4f} ± {std:.4f}"
+    return _fmt_signed(row[f"{name}_mean"], row[f"{name}_std"], 4)
+
+
+def _fmt_signed(mean: float, std: float, digits: int = 2) -> str:
+    return f"{mean:+.{digits}f}" if math.isnan(std) else f"{mean:+.{digits}f} ± {std:.{digits}f}"
 
 
 def cell_label(row: dict) -> str:
@@ -174,6 +178,20 @@ def _probe_tables(rows: list[dict]) -> list[str]:
         cells = [f"{fmt_mean_std(*r['probe'][f'probe_accuracy_k{k}'])} ({r['probe'][f'probe_answer_nll_k{k}'][0]:.2f})"
                  for k in hops]
         lines.append(f"| {cell_label(r)} | {r['shape']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
+    paired = [r for r in probed if r.get("probe_delta_vs_dense_seeds")]
+    if paired:
+        reference = next((r for r in probed if r["variant"] == "dense" and r["comparison"] == "both"), None)
+        name = f" ({cell_label(reference)})" if reference else ""
+        lines += ["", "### Depth probe against dense, seed by seed", "",
+                  f"Each cell's accuracy minus the dense reference's{name} at the same seed (same batches), mean ± "
+                  "std over the paired seeds, and, in brackets, the same for the answer's nll. A margin counts "
+                  "where it is large against its std.", "",
+                  "| cell | seeds | " + " | ".join(f"k={k}" for k in hops) + " |", "|---|---:|" + "---:|" * len(hops)]
+        for r in sorted(paired, key=lambda r: -r["probe"][top][0]):
+            delta = r["probe_delta_vs_dense"]
+            cells = [_fmt_signed(*delta[f"probe_accuracy_k{k}"]) + f" ({delta[f'probe_answer_nll_k{k}'][0]:+.2f})"
+                     if f"probe_accuracy_k{k}" in delta and f"probe_answer_nll_k{k}" in delta else "" for k in hops]
+            lines.append(f"| {cell_label(r)} | {r['probe_delta_vs_dense_seeds']} | " + " | ".join(cells) + " |")
     swept = [r for r in probed if len(r.get("probe_sweep") or {}) > 1]
     if swept:
         depth = max(int(d) for r in swept for d in r["probe_sweep"])

@@ -47,6 +47,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
         })
     _paired_with_dense(rows, cells)
     _paired_with_grt(rows, cells)
+    _probe_paired_with_dense(rows, cells)
     rows.sort(key=lambda row: (row["budget"], row["best_valid_mean"]))
     return rows
 
@@ -83,6 +84,30 @@ def _paired_with_grt(rows: list[dict], cells: dict[tuple[str, float], list[Run]]
     it changes downstream, while dense, whose pieces all differ, shares only the batches."""
     _paired(rows, cells, "delta_vs_grt", lambda run: run.variant == "grt", lambda run: (run.scale, run.comparison),
             pair_reference=False)
+
+
+def _probe_paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
+    """`probe_delta_vs_dense`: per probe metric (accuracy and answer nll at each k, last evaluation), the
+    cell's value minus the dense reference's (comparison `both`, same scale and budget), seed by seed, as
+    (mean, std) over the paired seeds; `probe_delta_vs_dense_seeds` counts them. One seed's probe swings by
+    more than the gap between depths (the probe's fifth round), so a margin is only read against this spread.
+    The reference gets no row of its own zeros."""
+    references = {(g[0].scale, budget): {r.seed: r.probe for r in g}
+                  for (cell, budget), g in cells.items()
+                  if g[0].variant == "dense" and g[0].comparison == "both" and all(r.probe for r in g)}
+    for row in rows:
+        group = cells[(row["cell"], row["budget"])]
+        reference = references.get((group[0].scale, row["budget"]))
+        first = group[0]
+        if reference is None or (first.variant == "dense" and first.comparison == "both"):
+            row["probe_delta_vs_dense"], row["probe_delta_vs_dense_seeds"] = {}, 0
+            continue
+        paired = [r for r in group if r.seed in reference and r.probe]
+        keys = sorted(set.intersection(*(set(r.probe) & set(reference[r.seed]) for r in paired))) if paired else []
+        row["probe_delta_vs_dense"] = {
+            k: _mean_std([r.probe[k] - reference[r.seed][k] for r in paired])
+            for k in keys if k.startswith(("probe_accuracy_k", "probe_answer_nll_k"))}
+        row["probe_delta_vs_dense_seeds"] = len(paired) if row["probe_delta_vs_dense"] else 0
 
 
 def _paired(rows, cells, name: str, is_reference, key, pair_reference: bool) -> None:
