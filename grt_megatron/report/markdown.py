@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from grt_megatron.report.stats import is_dense_reference
+
 
 def fmt_mean_std(mean: float, std: float) -> str:
     return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
@@ -15,7 +17,7 @@ def _fmt_unfinished(row: dict) -> str:
 
 def _fmt_delta(row: dict, name: str = "delta_vs_dense") -> str:
     # The reference's own zeros are not shown; other dense cells (the probe's depth curve) are.
-    if row[f"{name}_mean"] is None or (row["variant"] == "dense" and row["comparison"] == "both"):
+    if row[f"{name}_mean"] is None or is_dense_reference(row["variant"], row["comparison"]):
         return ""
     return _fmt_signed(row[f"{name}_mean"], row[f"{name}_std"], 4)
 
@@ -180,7 +182,7 @@ def _probe_tables(rows: list[dict]) -> list[str]:
         lines.append(f"| {cell_label(r)} | {r['shape']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
     paired = [r for r in probed if r.get("probe_delta_vs_dense_seeds")]
     if paired:
-        reference = next((r for r in probed if r["variant"] == "dense" and r["comparison"] == "both"), None)
+        reference = next((r for r in probed if is_dense_reference(r["variant"], r["comparison"])), None)
         name = f" ({cell_label(reference)})" if reference else ""
         lines += ["", "### Depth probe against dense, seed by seed", "",
                   f"Each cell's accuracy minus the dense reference's{name} at the same seed (same batches), mean ± "

@@ -72,8 +72,7 @@ def _paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run
     data order (and, where `data.valid_seed` is unset, the validation windows) for both runs. The reference
     is the dense cell of comparison `both`; other dense cells of the scale (the probe's depth curve, dense 3
     and 12) are compared with it like any other cell."""
-    _paired(rows, cells, "delta_vs_dense", lambda run: run.variant == "dense" and run.comparison == "both",
-            lambda run: (run.scale,), pair_reference=True)
+    _paired(rows, cells, "delta_vs_dense", _is_reference_run, lambda run: (run.scale,), pair_reference=True)
 
 
 def _paired_with_grt(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
@@ -92,17 +91,12 @@ def _probe_paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], li
     (mean, std) over the paired seeds; `probe_delta_vs_dense_seeds` counts them. One seed's probe swings by
     more than the gap between depths (the probe's fifth round), so a margin is only read against this spread.
     The reference gets no row of its own zeros."""
-    references = {(g[0].scale, budget): {r.seed: r.probe for r in g}
-                  for (cell, budget), g in cells.items()
-                  if g[0].variant == "dense" and g[0].comparison == "both" and all(r.probe for r in g)}
+    references = {k: probes for k, probes in _references(cells, _is_reference_run, lambda run: (run.scale,),
+                                                         lambda run: run.probe).items() if all(probes.values())}
     for row in rows:
         group = cells[(row["cell"], row["budget"])]
-        reference = references.get((group[0].scale, row["budget"]))
-        first = group[0]
-        if reference is None or (first.variant == "dense" and first.comparison == "both"):
-            row["probe_delta_vs_dense"], row["probe_delta_vs_dense_seeds"] = {}, 0
-            continue
-        paired = [r for r in group if r.seed in reference and r.probe]
+        reference = None if _is_reference_run(group[0]) else references.get((group[0].scale, row["budget"]))
+        paired = [r for r in group if reference and r.seed in reference and r.probe]
         keys = sorted(set.intersection(*(set(r.probe) & set(reference[r.seed]) for r in paired))) if paired else []
         row["probe_delta_vs_dense"] = {
             k: _mean_std([r.probe[k] - reference[r.seed][k] for r in paired])
@@ -110,11 +104,26 @@ def _probe_paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], li
         row["probe_delta_vs_dense_seeds"] = len(paired) if row["probe_delta_vs_dense"] else 0
 
 
+def is_dense_reference(variant: str, comparison: str) -> bool:
+    """The cell every other is paired with: dense of comparison `both`. The probe's other dense cells (dense 3
+    and 12) are compared with it like any other cell."""
+    return variant == "dense" and comparison == "both"
+
+
+def _is_reference_run(run: Run) -> bool:
+    return is_dense_reference(run.variant, run.comparison)
+
+
+def _references(cells, is_reference, key, value) -> dict[tuple, dict[int, Any]]:
+    """{(*key, budget): {seed: value(run)}} of every reference cell (`is_reference` of its first run)."""
+    return {(*key(g[0]), budget): {r.seed: value(r) for r in g}
+            for (cell, budget), g in cells.items() if is_reference(g[0])}
+
+
 def _paired(rows, cells, name: str, is_reference, key, pair_reference: bool) -> None:
     """`{name}_mean/_std/_seeds/_by_seed` on every row whose reference cell (`is_reference`, same `key` and
     budget) has runs of the same seeds. `pair_reference`: give the reference its own zero differences too."""
-    references = {(*key(g[0]), budget): {r.seed: r.best_valid for r in g}
-                  for (cell, budget), g in cells.items() if is_reference(g[0])}
+    references = _references(cells, is_reference, key, lambda run: run.best_valid)
     for row in rows:
         group = cells[(row["cell"], row["budget"])]
         skip = is_reference(group[0]) and not pair_reference
