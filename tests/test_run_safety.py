@@ -4,7 +4,6 @@ with one line and a documented status, and a finished run resumed says so."""
 import json
 import signal
 import subprocess
-import time
 
 import pytest
 import yaml
@@ -105,8 +104,13 @@ def test_signal_during_data_preparation_stops_with_one_line(tmp_path, sig):
     run_dir = tmp_path / "run"
     proc = start_cli(["model=tiny", f"data={SHAKESPEARE}", "data.vocab_size=4096", "train.iters=2",
                    f"run.dir={run_dir}", *QUIET])
-    wait_for(lambda: (run_dir / ".grt-train.lock").exists(), proc)
-    time.sleep(0.3)
+    # The run announces each stage of its data preparation; signal once tokenizer training has begun
+    # (a fixed sleep raced a fast machine, which had finished preparing by then).
+    for line in proc.stdout:
+        if "tokenizer training on" in line:
+            break
+    else:
+        pytest.fail(f"the run never announced tokenizer training: {proc.communicate()[1][-3000:]}")
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, stderr[-3000:]
