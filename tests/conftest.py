@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +105,26 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120, poll: floa
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.perf_counter() - start < timeout
         time.sleep(poll)
+
+
+def stdout_lines(proc: subprocess.Popen) -> "queue.Queue[str]":
+    """`proc`'s stdout lines as they arrive, read by a daemon thread, so a test can wait for one with a
+    timeout (a plain `for line in proc.stdout` blocks for as long as the process stays quiet)."""
+    lines: "queue.Queue[str]" = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    return lines
+
+
+def wait_for_line(lines: "queue.Queue[str]", needle: str, what: str, timeout: float = 120) -> None:
+    """Wait until a line of `lines` (`stdout_lines`) contains `needle`; fail after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if needle in lines.get(timeout=0.1):
+                return
+        except queue.Empty:
+            pass
+    raise AssertionError(f"{what} never printed {needle!r}")
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -9,12 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from conftest import REPO, SHAKESPEARE, SHARED_DATA, run_prepare
+from conftest import REPO, SHAKESPEARE, SHARED_DATA, run_prepare, stdout_lines, wait_for_line
 from grt_megatron.data import DataError, SentencePieceTokenizer, load_tokenizer
 from grt_megatron.data.indexed import prefix_paths, signals_deferred, temp_prefix, verify_prefix
 from grt_megatron.data.sources import iter_documents
@@ -29,20 +28,7 @@ def _start(args: list[str]) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     proc = subprocess.Popen([sys.executable, "-m", "grt_megatron.data.prepare", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines: "queue.Queue[str]" = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    return proc, lines
-
-
-def _wait_for_line(lines: "queue.Queue[str]", needle: str, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if needle in lines.get(timeout=0.1):
-                return
-        except queue.Empty:
-            pass
-    raise AssertionError(f"grt-prepare-data never printed {needle!r}")
+    return proc, stdout_lines(proc)
 
 
 def _interrupt(proc: subprocess.Popen, sig: int) -> None:
@@ -76,7 +62,7 @@ def test_interrupted_tokenizer_training_exits_with_the_signal_and_leaves_nothing
     prefix = tmp_path / "p"
     proc, lines = _start([*BIG_INPUT, "--output-prefix", str(prefix), "--train-tokenizer", "--vocab-size", "1000",
                           "--no-progress"])
-    _wait_for_line(lines, "training a bpe tokenizer")
+    wait_for_line(lines, "training a bpe tokenizer", "grt-prepare-data")
     time.sleep(delay)  # 0.2 s: sentencepiece still reads sentences; 1 s: mostly in its own training
     _interrupt(proc, sig)
     _, stderr = proc.communicate(timeout=120)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import SHAKESPEARE, read_jsonl, run_cli, start_cli, wait_for
+from conftest import SHAKESPEARE, read_jsonl, run_cli, start_cli, stdout_lines, wait_for, wait_for_line
 
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
 
@@ -106,11 +106,7 @@ def test_signal_during_data_preparation_stops_with_one_line(tmp_path, sig):
                    f"run.dir={run_dir}", *QUIET])
     # The run announces each stage of its data preparation; signal once tokenizer training has begun
     # (a fixed sleep raced a fast machine, which had finished preparing by then).
-    for line in proc.stdout:
-        if "tokenizer training on" in line:
-            break
-    else:
-        pytest.fail(f"the run never announced tokenizer training: {proc.communicate()[1][-3000:]}")
+    wait_for_line(stdout_lines(proc), "tokenizer training on", "grt-train")
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, stderr[-3000:]

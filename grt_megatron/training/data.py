@@ -111,6 +111,12 @@ def _resolve_tokenizer_and_prefixes(cfg: RunConfig, run_dir: Path, info: Distrib
     elif d.source:
         prefix = run_dir / "data" / "corpus"
 
+        def announce(stage: str) -> None:
+            # Tokenizer training has no progress bar and can take minutes on a large corpus: say what
+            # the run is doing before it goes quiet.
+            if stage != "written":
+                print(f"preparing {prefix}: {stage} on {d.source}", flush=True)
+
         def prepare():
             summary = prepare_dataset(
                 [d.source], prefix, tokenizer, train_vocab_size=None if tokenizer else d.vocab_size,
@@ -118,12 +124,6 @@ def _resolve_tokenizer_and_prefixes(cfg: RunConfig, run_dir: Path, info: Distrib
                 progress=cfg.logging.progress, on_stage=announce,
             )
             print(f"prepared {summary.line()}", flush=True)
-
-        def announce(stage: str) -> None:
-            # Tokenizer training has no progress bar and can take minutes on a large corpus: say what
-            # the run is doing before it goes quiet.
-            if stage != "written":
-                print(f"preparing {prefix}: {stage} on {d.source}", flush=True)
 
         on_main_rank(info, prepare)
         prefixes = [str(prefix)]
