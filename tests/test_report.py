@@ -14,7 +14,7 @@ MODEL = dict(hidden_size=64, num_attention_heads=4, vocab_size=300, max_sequence
 
 
 def fake_run(path, cell, seed, valid, sweep=None, comparison="isoflops", model=None, valid_extra=None,
-             sweep_extra=None):
+             sweep_extra=None, gate=True):
     path.mkdir(parents=True)
     model = {**MODEL, **(model or {})}
     (path / "run_info.json").write_text(json.dumps({
@@ -26,8 +26,9 @@ def fake_run(path, cell, seed, valid, sweep=None, comparison="isoflops", model=N
     for step, loss in enumerate(valid, 1):
         lines.append({"step": 10 * step, "loss": loss + 0.1, "tokens": 10 * step * 64, "flops_per_token": 1000.0 * step,
                       "tokens_per_s": 1.0, "flops_per_s": 1.0})
-        lines.append({"step": 10 * step, "split": "valid", "loss": loss, "gate_mean_r1": 0.9 + 0.01 * seed,
-                      "relative_update_r1": 0.5, **(valid_extra(step, loss) if valid_extra else {})})
+        lines.append({"step": 10 * step, "split": "valid", "loss": loss, "relative_update_r1": 0.5,
+                      **({"gate_mean_r1": 0.9 + 0.01 * seed} if gate else {}),
+                      **(valid_extra(step, loss) if valid_extra else {})})
     for r, loss in (sweep or {}).items():
         lines.append({"step": 10 * len(valid), "split": "depth_sweep", "recurrences": r, "loss": loss,
                       **(sweep_extra(r) if sweep_extra else {})})
@@ -81,6 +82,19 @@ def test_report_table_and_plots(tmp_path):
     write_report(find_runs([tmp_path / "runs/b"]), out, "test")
     assert not (out / "loss_vs_r.png").exists() and not (out / "delta_vs_dense.png").exists()
     assert "| dense |" in (out / "report.md").read_text()
+
+
+def test_report_shows_the_state_update_of_recurrent_cells_without_a_gate(tmp_path):
+    update = lambda step, loss: {"relative_update_r2": 0.25, "relative_update_r3": 0.1 * step}  # noqa: E731
+    fake_run(tmp_path / "runs/grt/s1", "grt", 1, [4.4, 4.1], valid_extra=update)
+    fake_run(tmp_path / "runs/rrt/s1", "rrt", 1, [4.5, 4.2], gate=False, valid_extra=update)
+    fake_run(tmp_path / "runs/dense/s1", "dense", 1, [4.3, 4.0], gate=False, comparison="both",
+             model=dict(prelude_layers=0, core_layers=5, coda_layers=0, recurrences=1, gate="none", injection="none"))
+    write_report(find_runs([tmp_path / "runs"]), tmp_path / "report", "test")
+    table = (tmp_path / "report/report.md").read_text().split("## Gate and state update")[1].split("##")[0]
+    assert "| rrt | — / 0.500 | — / 0.250 | — / 0.200 |" in table  # the last evaluation's update, no gate
+    assert "| grt | 0.910 / 0.500 | — / 0.250 | — / 0.200 |" in table  # a recurrence without a gate value
+    assert "| dense |" not in table  # one layer stack run once has no recurrence to report
 
 
 def test_report_shows_mor_under_both_routings(tmp_path):

@@ -71,18 +71,23 @@ def markdown(rows: list[dict], command: str) -> str:
                 text = "" if v is None else f"{v:.4f}"
                 cells.append(f"**{text}**" if k == r["recurrences"] and text else text)
             lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
-    gated = [r for r in rows if any(k.startswith("gate_mean_r") for k in r["diagnostics"])]
-    if gated:
-        depth = max(int(k.rsplit("_r", 1)[1]) for r in gated for k in r["diagnostics"])
+    # Every recurrent cell, gated or not: how far the state moves per recurrence is the comparison that tells
+    # a GRT whose state stops after one step from an RRT or plain loop whose state keeps moving.
+    recurrent = [r for r in rows if any(k.startswith("relative_update_r") for k in r["diagnostics"])
+                 and (r["recurrences"] > 1 or any(k.startswith("gate_mean_r") for k in r["diagnostics"]))]
+    if recurrent:
+        depth = max(int(k.rsplit("_r", 1)[1]) for r in recurrent for k in r["diagnostics"]
+                    if k.startswith(("gate_mean_r", "relative_update_r")))
         lines += ["", "## Gate and state update at the last evaluation", "",
-                  "Per recurrence r: mean gate value g (or MoR's router weight) / relative state update "
-                  "‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ (first validation micro-batch, mean over seeds). A gate that "
-                  "stays at its initial sigmoid(4) ≈ 0.982 has not learned.", "",
+                  "Per recurrence r: mean gate value g (or MoR's router weight; — where the model has no gate) / "
+                  "relative state update ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ (first validation micro-batch, mean over "
+                  "seeds). A gate that stays at its initial sigmoid(4) ≈ 0.982 has not learned.", "",
                   "| cell | " + " | ".join(f"r={k}" for k in range(1, depth + 1)) + " |", "|---|" + "---:|" * depth]
-        for r in gated:
+        for r in recurrent:
             d = r["diagnostics"]
-            cells = [f"{d[f'gate_mean_r{k}']:.3f} / {d[f'relative_update_r{k}']:.3f}"
-                     if f"gate_mean_r{k}" in d and f"relative_update_r{k}" in d else "" for k in range(1, depth + 1)]
+            cells = [(f"{d[f'gate_mean_r{k}']:.3f}" if f"gate_mean_r{k}" in d else "—")
+                     + f" / {d[f'relative_update_r{k}']:.3f}" if f"relative_update_r{k}" in d else ""
+                     for k in range(1, depth + 1)]
             lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
     routed = [r for r in rows if r["other_routing"]]
     if routed:
