@@ -31,6 +31,7 @@ from grt_megatron.data.indexed import (IndexedDatasetWriter, check_output_free, 
 from grt_megatron.data.sources import (DataError, EmptyCorpusError, SourcePolicy, SourceStats, check_sources,
                                        iter_documents)
 from grt_megatron.data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
+from grt_megatron.errors import raised_from
 
 CHUNK_DOCUMENTS = 64
 
@@ -261,8 +262,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except DataError as err:
         print(f"grt-prepare-data: error: {err}", file=sys.stderr)
         sys.exit(2)
-    except (KeyboardInterrupt, Interrupted) as err:
-        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+    except BaseException as err:
+        # The signal's own exception, or one that C code it interrupted wrapped it in (an extension's import).
+        stop = raised_from(err, (KeyboardInterrupt, Interrupted))
+        if stop is None:
+            raise
+        signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
         print(f"grt-prepare-data: {_interrupted_line(signum, stage, args.output_prefix)}", file=sys.stderr)
         sys.exit(128 + signum)
     finally:

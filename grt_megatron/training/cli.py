@@ -74,9 +74,10 @@ def _record(cfg: DictConfig) -> dict:
 def _hydra_main(cfg: DictConfig) -> None:
     from grt_megatron.checkpoint import CheckpointError, CheckpointWriteError
     from grt_megatron.data import DataError
+    from grt_megatron.errors import raised_from
     from grt_megatron.model import ConfigError
     from grt_megatron.training.config import build_run_config
-    from grt_megatron.training.signals import exit_code_after_stop
+    from grt_megatron.training.signals import Interrupted, exit_code_after_stop
     from grt_megatron.training.step_guard import TrainingDiverged
     from grt_megatron.training.trainer import run_training
 
@@ -92,6 +93,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     except (ConfigError, DataError, CheckpointError) as err:
         _fail(str(err))
         return
+    except Exception as err:
+        # A signal during set-up raises `Interrupted`; C code it interrupts may wrap it into another error
+        # (hydra would then print a traceback and exit 1): unwrap it so the run ends as the signal says.
+        stop = raised_from(err, Interrupted)
+        if stop is None:
+            raise
+        raise stop from err
     if int(os.environ.get("RANK", "0")) == 0:  # set by the launcher, or by init_distributed
         _report(result, run_cfg)
     status = exit_code_after_stop(result.stopped_by)
