@@ -38,6 +38,15 @@ def _si(value: float) -> str:
     return f"{value:.0f}"
 
 
+def _gate_and_update(d: dict[str, float], r: int) -> str:
+    """One cell of the gate and state-update table: "g / update" at recurrence r, "—" for a missing gate,
+    empty where the run logged no update at r."""
+    if f"relative_update_r{r}" not in d:
+        return ""
+    gate = f"{d[f'gate_mean_r{r}']:.3f}" if f"gate_mean_r{r}" in d else "—"
+    return f"{gate} / {d[f'relative_update_r{r}']:.3f}"
+
+
 def markdown(rows: list[dict], command: str) -> str:
     lines = ["# Experiment report", "", f"Produced by `{command}`.", "",
              "Validation loss per token at the trained R with noise off, over each cell's seeds (mean ± sample "
@@ -84,11 +93,8 @@ def markdown(rows: list[dict], command: str) -> str:
                   "seeds). A gate that stays at its initial sigmoid(4) ≈ 0.982 has not learned.", "",
                   "| cell | " + " | ".join(f"r={k}" for k in range(1, depth + 1)) + " |", "|---|" + "---:|" * depth]
         for r in recurrent:
-            d = r["diagnostics"]
-            cells = [(f"{d[f'gate_mean_r{k}']:.3f}" if f"gate_mean_r{k}" in d else "—")
-                     + f" / {d[f'relative_update_r{k}']:.3f}" if f"relative_update_r{k}" in d else ""
-                     for k in range(1, depth + 1)]
-            lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {r['cell']} | " + " | ".join(_gate_and_update(r["diagnostics"], k)
+                                                           for k in range(1, depth + 1)) + " |")
     routed = [r for r in rows if r["other_routing"]]
     if routed:
         depth = max(int(k.rsplit("_r", 1)[1]) for r in routed for k in r["diagnostics"]

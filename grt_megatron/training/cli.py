@@ -126,6 +126,7 @@ def _report(result, run_cfg) -> None:
 
 
 def main() -> None:
+    from grt_megatron.errors import raised_from
     from grt_megatron.training.signals import Interrupted, raise_on_signals
 
     raise_on_signals()  # first: a signal during imports, data preparation or resume ends with one line
@@ -137,7 +138,12 @@ def main() -> None:
         quiet_known_warnings()
         sys.argv = [sys.argv[0], *rewrite_data_argument(sys.argv[1:])]
         _hydra_main()
-    except Interrupted as stop:
+    except BaseException as err:
+        # The signal's own exception, or one that C code it interrupted wrapped it in (an import before hydra
+        # starts; inside hydra, `_hydra_main` unwraps it, since hydra turns any Exception into exit 1).
+        stop = None if isinstance(err, SystemExit) else raised_from(err, Interrupted)  # an exit keeps its status
+        if stop is None:
+            raise
         print(f"grt-train: stopped by {stop.name} during {stop.where}; checkpoints already written are "
               "complete (resume=auto continues from the newest)", file=sys.stderr)
         sys.exit(stop.exit_code)
