@@ -1,6 +1,8 @@
-"""The one exception of a bad configuration, shared by the model, the layout checks and the run config, and
-the helper that finds a signal's exception inside another one."""
+"""The one exception of a bad configuration, shared by the model, the layout checks and the run config; the
+one exception of a signal that ends a command (`grt-train`, `grt-prepare-data`); and the helper that finds a
+signal's exception inside another one."""
 
+import signal
 from typing import Optional, TypeVar, Union
 
 E = TypeVar("E", bound=BaseException)
@@ -8,6 +10,24 @@ E = TypeVar("E", bound=BaseException)
 
 class ConfigError(ValueError):
     """A model or run configuration that cannot be built; the message names the field."""
+
+
+class Interrupted(BaseException):
+    """A signal ended the command (a BaseException, like KeyboardInterrupt, so that it unwinds through every
+    `finally` and no `except Exception` on the way swallows it). `where` says what it interrupted."""
+
+    def __init__(self, signum: int, where: str = "set-up"):
+        super().__init__(signum, where)
+        self.signum = signum
+        self.where = where
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 def raised_from(err: BaseException, kind: Union[type[E], tuple[type[E], ...]]) -> Optional[E]:

@@ -31,7 +31,7 @@ from grt_megatron.data.indexed import (IndexedDatasetWriter, check_output_free, 
 from grt_megatron.data.sources import (DataError, EmptyCorpusError, SourcePolicy, SourceStats, check_sources,
                                        iter_documents)
 from grt_megatron.data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
-from grt_megatron.errors import raised_from
+from grt_megatron.errors import Interrupted, raised_from
 
 CHUNK_DOCUMENTS = 64
 
@@ -210,15 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX")
     parser.add_argument("--no-progress", action="store_true")
     return parser
-
-
-class Interrupted(BaseException):
-    """SIGTERM arrived: raised in the main thread, like KeyboardInterrupt for SIGINT, so that it unwinds
-    through every `finally` (temporaries removed) and no `except Exception` on the way swallows it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 def _raise_interrupted(signum, frame) -> None:

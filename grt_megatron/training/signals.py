@@ -17,25 +17,9 @@ import signal
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
+from grt_megatron.errors import Interrupted
+
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
-
-class Interrupted(BaseException):
-    """A signal ended the process before or outside the training loop (a BaseException, so that no
-    `except Exception` on the way swallows it)."""
-
-    def __init__(self, signum: int, where: str = "set-up"):
-        super().__init__(signum, where)
-        self.signum = signum
-        self.where = where
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
 
 
 def _raise(signum, frame) -> None:
