@@ -30,6 +30,11 @@ class Interrupted(BaseException):
         return 128 + self.signum
 
 
+def raise_interrupted(signum, frame) -> None:
+    """A signal handler that ends the command at once: raises `Interrupted` in the main thread."""
+    raise Interrupted(signum)
+
+
 def raised_from(err: BaseException, kind: Union[type[E], tuple[type[E], ...]]) -> Optional[E]:
     """The first exception of `kind` in `err`'s chain (`err`, then what it was raised from or during).
 

@@ -31,7 +31,7 @@ from grt_megatron.data.indexed import (IndexedDatasetWriter, check_output_free, 
 from grt_megatron.data.sources import (DataError, EmptyCorpusError, SourcePolicy, SourceStats, check_sources,
                                        iter_documents)
 from grt_megatron.data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
-from grt_megatron.errors import Interrupted, raised_from
+from grt_megatron.errors import Interrupted, raise_interrupted, raised_from
 
 CHUNK_DOCUMENTS = 64
 
@@ -212,10 +212,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_interrupted(signum, frame) -> None:
-    raise Interrupted(signum)
-
-
 def _interrupted_line(signum: int, stage: str, prefix: str) -> str:
     name = signal.Signals(signum).name
     if stage == "written":
@@ -225,7 +221,7 @@ def _interrupted_line(signum: int, stage: str, prefix: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupted)
+    previous_sigterm = signal.signal(signal.SIGTERM, raise_interrupted)
     stage = "start-up"
 
     def on_stage(name: str) -> None:

@@ -17,19 +17,15 @@ import signal
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-from grt_megatron.errors import Interrupted
+from grt_megatron.errors import Interrupted, raise_interrupted
 
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
-
-def _raise(signum, frame) -> None:
-    raise Interrupted(signum)
 
 
 def raise_on_signals() -> None:
     """Install the set-up behaviour (raise at once). Only the main thread can install handlers."""
     for sig in HANDLED:
-        signal.signal(sig, _raise)
+        signal.signal(sig, raise_interrupted)
 
 
 class StopRequests:
