@@ -129,3 +129,37 @@ def test_grid_reads_a_runs_latest_step_from_the_end_of_its_metrics(tmp_path):
     rows = [{"step": i, "loss": 3.0} for i in range(1, 2001)] + [{"step": 2000, "valid_loss": 2.9}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2001, "lo')  # a line being written
     assert latest_step(metrics) == 2000
+
+
+def test_grid_reports_a_stopped_run_as_stopped_not_finished(tmp_path):
+    # grt-train exits 0 after a requeue request (SIGTERM, SIGUSR1, train.exit_interval): the grid must still
+    # say the run stopped at its step, exit 1, and finish it when the same command runs again.
+    prefix = tmp_path / "data/books_1k"
+    proc = run_prepare(["--input", str(SHAKESPEARE), "--output-prefix", str(prefix), "--train-tokenizer",
+                        "--vocab-size", "1024", "--no-progress"])
+    assert proc.returncode == 0, proc.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    env["GRT_RECIPES"] = str(REPO / "recipes")
+    grid = [sys.executable, "-m", "grt_megatron.launch.grid", "cpu/dense", "--seeds", "1", "--log-dir", "logs",
+            "--", "train.iters=6", "train.eval_interval=6", "train.eval_iters=1", "checkpoint.interval=0"]
+    proc = subprocess.run([*grid, "train.exit_interval=3"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cpu/dense seed 1 budget 1.0: stopped at step 3 of 6; the same command resumes it" in proc.stdout
+    assert "grid: 0/1 runs finished, 1 stopped before train.iters (the same command resumes them)" in proc.stdout
+
+    proc = subprocess.run(grid, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "grid: 1/1 runs finished in" in proc.stdout
+    jobs = read_jsonl(tmp_path / "logs/grid.jsonl")
+    assert [(j["outcome"], j["step"], j["iters"], j["returncode"]) for j in jobs] == [
+        ("stopped", 3, 6, 0), ("finished", 6, 6, 0)]
+
+
+@pytest.mark.parametrize("returncode, step, outcome", [
+    (0, 6, "finished"), (0, 5, "stopped"), (143, 0, "stopped"), (130, 2, "stopped"), (1, 6, "failed"),
+    (-9, 3, "failed")])  # SIGTERM / Ctrl-C during set-up end the run as stopped; a kill or an error as failed
+def test_grid_job_outcome(returncode, step, outcome):
+    from grt_megatron.launch.grid import job_outcome
+
+    assert job_outcome(returncode, step, iters=6) == outcome

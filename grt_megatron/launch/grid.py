@@ -10,6 +10,10 @@ cell by cell, so the seeds of a cell finish together. Every job's configuration 
 starts (a recipe or override that does not compose is refused at once, in one line), and the progress bar
 counts the steps of all jobs together, read from each run's metrics.jsonl. On a cluster, submit cells with
 `grt-submit` or hydra multirun instead (`grt-train -m experiment=small/dense,small/grt_isoflops seed=1,2,3`).
+
+A job counts as finished only when its metrics reach train.iters. One that a signal or train.exit_interval
+stopped earlier exits 0 for a requeue, but here it is reported as stopped at its step, not as done; the grid
+then exits 1, so `grt-grid ... && grt-report ...` never reports a half-trained grid as a finished one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -61,9 +66,9 @@ def job_arguments(cell: str, seed: int, budget: float, overrides: list[str]) -> 
     return [f"experiment={cell}", f"seed={seed}", f"experiment.budget={budget}", "resume=auto", *overrides]
 
 
-def plan_jobs(jobs, overrides: list[str]) -> list[tuple[Path, int]]:
-    """(run dir, train.iters) of every job, composed as grt-train composes it; the first job whose
-    configuration does not compose or validate ends the grid before any job starts."""
+def plan_jobs(jobs, overrides: list[str]) -> list[tuple[Path, int, Path]]:
+    """(run dir, train.iters, checkpoint folder) of every job, composed as grt-train composes it; the first job
+    whose configuration does not compose or validate ends the grid before any job starts."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -77,7 +82,8 @@ def plan_jobs(jobs, overrides: list[str]) -> list[tuple[Path, int]]:
             cfg = compose_run_config(job_arguments(cell, seed, budget, overrides), world_size=1)  # a world of one
         except (HydraException, OmegaConfBaseException, ConfigError, DataError) as err:
             _fail(f"{cell} seed {seed} budget {budget}: {str(err).splitlines()[0]}")
-        plans.append((Path(cfg.run.dir), cfg.train.iters))
+        run_dir = Path(cfg.run.dir)
+        plans.append((run_dir, cfg.train.iters, Path(cfg.checkpoint.dir or run_dir / "checkpoints")))
     return plans
 
 
@@ -98,6 +104,15 @@ def latest_step(metrics: Path) -> int:
     return 0
 
 
+def run_step(run_dir: Path, checkpoints: Path) -> int:
+    """How far a run got: its metrics' last step, or its newest whole checkpoint's where that is later (a run
+    stopped between two logged steps saves at the step it stopped)."""
+    from grt_megatron.checkpoint.store import list_checkpoints
+
+    saved = [c.step for c in list_checkpoints(checkpoints) if c.complete]
+    return max([latest_step(run_dir / "metrics.jsonl"), *saved])
+
+
 def log_tail(path: Path, lines: int = 5) -> str:
     """The last lines of a failed job's log: usually the one-line error that says why."""
     try:
@@ -107,7 +122,17 @@ def log_tail(path: Path, lines: int = 5) -> str:
     return "\n".join("    " + line for line in text[-lines:])
 
 
-def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: int, log_dir: Path) -> dict:
+def job_outcome(returncode: int, step: int, iters: int) -> str:
+    """"finished", "stopped" (a signal or train.exit_interval ended it before train.iters; the same command
+    resumes it) or "failed". grt-train exits 0 after a requeue request, so the exit status alone cannot tell
+    a stopped run from a finished one: the step its metrics reached does."""
+    if returncode == 0:
+        return "finished" if step >= iters else "stopped"
+    return "stopped" if returncode == 128 + signal.SIGINT or returncode == 128 + signal.SIGTERM else "failed"
+
+
+def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: int, log_dir: Path,
+            plan: tuple[Path, int, Path]) -> dict:
     log = log_dir / f"{cell.replace('/', '__')}-budget{budget}-seed{seed}.log"
     args = job_arguments(cell, seed, budget, overrides)
     # This interpreter's grt-train, whether or not the environment's bin folder is on PATH.
@@ -122,8 +147,10 @@ def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: 
         out.write(f"$ grt-train {' '.join(args)}\n")
         out.flush()
         rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    return {"cell": cell, "seed": seed, "budget": budget, "returncode": rc,
-            "seconds": round(time.perf_counter() - start, 1), "log": str(log), "command": "grt-train " + " ".join(args),
+    run_dir, iters, checkpoints = plan
+    step = run_step(run_dir, checkpoints)
+    return {"cell": cell, "seed": seed, "budget": budget, "returncode": rc, "outcome": job_outcome(rc, step, iters),
+            "step": step, "iters": iters, "seconds": round(time.perf_counter() - start, 1), "log": str(log), "command": "grt-train " + " ".join(args),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
@@ -135,32 +162,41 @@ def main(argv=None) -> None:
     threads = max(1, (os.cpu_count() or 1) // args.workers)
 
     def steps_done() -> int:  # resumed jobs count the steps they had
-        return sum(min(latest_step(run_dir / "metrics.jsonl"), iters) for run_dir, iters in plans)
+        return sum(min(latest_step(run_dir / "metrics.jsonl"), iters) for run_dir, iters, _ in plans)
 
-    start, failed, finished = time.perf_counter(), [], 0
+    start, outcomes, returned = time.perf_counter(), [], 0
     interactive = sys.stderr.isatty()
     with ThreadPoolExecutor(args.workers) as pool, (args.log_dir / "grid.jsonl").open("a") as record, \
-            tqdm(total=sum(iters for _, iters in plans), initial=steps_done(), desc="grid", unit="step",
+            tqdm(total=sum(iters for _, iters, _ in plans), initial=steps_done(), desc="grid", unit="step",
                  dynamic_ncols=True, mininterval=1 if interactive else 60) as bar:
-        pending = {pool.submit(run_job, c, s, b, args.overrides, threads, args.log_dir) for c, s, b in jobs}
+        pending = {pool.submit(run_job, c, s, b, args.overrides, threads, args.log_dir, plan)
+                   for (c, s, b), plan in zip(jobs, plans)}
         bar.set_postfix_str(f"0/{len(jobs)} runs")
         while pending:
             done, pending = wait(pending, timeout=5, return_when=FIRST_COMPLETED)
             for future in done:
                 result = future.result()
-                finished += 1
+                returned += 1
+                outcomes.append(result["outcome"])
                 record.write(json.dumps(result) + "\n")
                 record.flush()
-                status = "ok" if result["returncode"] == 0 else f"FAILED (exit {result['returncode']})"
+                rc, outcome = result["returncode"], result["outcome"]
+                status = {"finished": "ok",
+                          "stopped": f"stopped at step {result['step']} of {result['iters']}"
+                                     + (f" (exit {rc})" if rc else "") + "; the same command resumes it",
+                          "failed": f"FAILED (exit {rc})"}[outcome]
                 tqdm.write(f"{result['cell']} seed {result['seed']} budget {result['budget']}: {status} in "
                            f"{result['seconds']:.0f} s ({result['log']})")
-                if result["returncode"]:
-                    failed.append(result)
+                if outcome == "failed":
                     tqdm.write(log_tail(Path(result["log"])))
-                bar.set_postfix_str(f"{finished}/{len(jobs)} runs", refresh=False)
+                bar.set_postfix_str(f"{returned}/{len(jobs)} runs", refresh=False)
             bar.update(steps_done() - bar.n)
-    print(f"grid: {len(jobs) - len(failed)}/{len(jobs)} runs finished in {time.perf_counter() - start:.0f} s")
-    if failed:
+    stopped, failed = outcomes.count("stopped"), outcomes.count("failed")
+    others = (f", {stopped} stopped before train.iters (the same command resumes them)" if stopped else "") + \
+        (f", {failed} failed" if failed else "")
+    print(f"grid: {outcomes.count('finished')}/{len(jobs)} runs finished{others} in "
+          f"{time.perf_counter() - start:.0f} s")
+    if stopped or failed:
         sys.exit(1)
 
 
