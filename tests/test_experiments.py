@@ -4,9 +4,11 @@ small grid end to end (restartable: finished cells return at once)."""
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,38 @@ def test_grid_job_outcome(returncode, step, outcome):
     from grt_megatron.launch.grid import job_outcome
 
     assert job_outcome(returncode, step, iters=6) == outcome
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_grid_stops_its_running_job_at_a_checkpoint_and_starts_no_other(tmp_path, signum):
+    # `kill <grid>` (or Ctrl-C, which reaches the jobs only through the grid: they run in their own process
+    # group) is passed on: the running grt-train saves and exits, the next job never starts.
+    prefix = tmp_path / "data/books_1k"
+    proc = run_prepare(["--input", str(SHAKESPEARE), "--output-prefix", str(prefix), "--train-tokenizer",
+                        "--vocab-size", "1024", "--no-progress"])
+    assert proc.returncode == 0, proc.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    env["GRT_RECIPES"] = str(REPO / "recipes")
+    grid = subprocess.Popen([sys.executable, "-m", "grt_megatron.launch.grid", "cpu/dense", "--seeds", "1", "2",
+                             "--log-dir", "logs", "--", "train.iters=100000", "train.log_interval=1",
+                             "checkpoint.interval=0"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = tmp_path / "runs/experiments/cpu/dense/budget1.0/seed1"
+    from grt_megatron.launch.grid import latest_step
+
+    deadline = time.monotonic() + 300
+    while latest_step(first / "metrics.jsonl") < 2 and grid.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    grid.send_signal(signum)  # to the grid alone, not to its jobs
+    out, err = grid.communicate(timeout=300)
+    assert grid.returncode == 128 + signum, out + err
+    [saved] = [p.name for p in (first / "checkpoints").glob("step_*")]
+    step = int(saved.split("_")[1])
+    assert step >= 2
+    exit_note = " (exit 130)" if signum == signal.SIGINT else ""
+    assert f"cpu/dense seed 1 budget 1.0: stopped at step {step} of 100000{exit_note}; the same command resumes it" \
+        in out
+    assert "grid: 0/2 runs finished, 1 stopped before train.iters, 1 not started (the same command resumes them)" \
+        in out and out.rstrip().endswith(f"(stopped by {signal.Signals(signum).name})")
+    assert not (tmp_path / "runs/experiments/cpu/dense/budget1.0/seed2/metrics.jsonl").exists()
+    assert [j["outcome"] for j in read_jsonl(tmp_path / "logs/grid.jsonl")] == ["stopped"]

@@ -14,6 +14,10 @@ counts the steps of all jobs together, read from each run's metrics.jsonl. On a 
 A job counts as finished only when its metrics reach train.iters. One that a signal or train.exit_interval
 stopped earlier exits 0 for a requeue, but here it is reported as stopped at its step, not as done; the grid
 then exits 1, so `grt-grid ... && grt-report ...` never reports a half-trained grid as a finished one.
+SIGINT (Ctrl-C), SIGTERM or SIGHUP to the grid is passed on to the jobs running (SIGHUP as SIGTERM): each
+saves a checkpoint and exits, as grt-train does under SLURM; no further job starts, and the grid exits 128 +
+the signal's number. Jobs run in their own process group, so a Ctrl-C reaches them once, through the grid
+(a second Ctrl-C stops them at once, without the checkpoint, as it does grt-train).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -131,8 +137,53 @@ def job_outcome(returncode: int, step: int, iters: int) -> str:
     return "stopped" if returncode == 128 + signal.SIGINT or returncode == 128 + signal.SIGTERM else "failed"
 
 
+class JobSignals:
+    """Passes the grid's SIGINT / SIGTERM / SIGHUP on to the grt-train processes it runs, keeps new ones from
+    starting: a stopped grid leaves every run at a checkpoint, not orphaned or killed."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running: set[subprocess.Popen] = set()
+        self.signum = None
+
+    @contextmanager
+    def installed(self):
+        """The forwarding handlers while the grid runs; the caller's own ones after (a grid run in-process).
+        A signal the grid was started with ignored stays ignored (`nohup grt-grid`, a background job's SIGINT)."""
+        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        for signum, handler in previous.items():
+            if handler is not signal.SIG_IGN:
+                signal.signal(signum, self.forward)
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def forward(self, signum, frame) -> None:
+        with self.lock:
+            self.signum = self.signum or signum
+            for proc in self.running:  # grt-train does not handle SIGHUP; SIGTERM is its "save and stop"
+                proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+
+    def start(self, cmd, **kwargs):
+        """The job's process, or None once the grid was told to stop."""
+        with self.lock:
+            if self.signum is not None:
+                return None
+            proc = subprocess.Popen(cmd, process_group=0, **kwargs)  # the terminal's Ctrl-C comes via forward
+            self.running.add(proc)
+            return proc
+
+    def wait(self, proc: subprocess.Popen) -> int:
+        rc = proc.wait()
+        with self.lock:
+            self.running.discard(proc)
+        return rc
+
+
 def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: int, log_dir: Path,
-            plan: tuple[Path, int, Path]) -> dict:
+            plan: tuple[Path, int, Path], signals: JobSignals) -> dict:
     log = log_dir / f"{cell.replace('/', '__')}-budget{budget}-seed{seed}.log"
     args = job_arguments(cell, seed, budget, overrides)
     # This interpreter's grt-train, whether or not the environment's bin folder is on PATH.
@@ -143,19 +194,27 @@ def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     start = time.perf_counter()
+    run_dir, iters, checkpoints = plan
     with log.open("a") as out:
         out.write(f"$ grt-train {' '.join(args)}\n")
         out.flush()
-        rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    run_dir, iters, checkpoints = plan
+        proc = signals.start(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        rc = None if proc is None else signals.wait(proc)
     step = run_step(run_dir, checkpoints)
-    return {"cell": cell, "seed": seed, "budget": budget, "returncode": rc, "outcome": job_outcome(rc, step, iters),
-            "step": step, "iters": iters, "seconds": round(time.perf_counter() - start, 1), "log": str(log), "command": "grt-train " + " ".join(args),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {"cell": cell, "seed": seed, "budget": budget, "returncode": rc,
+            "outcome": "not started" if rc is None else job_outcome(rc, step, iters), "step": step, "iters": iters,
+            "seconds": round(time.perf_counter() - start, 1), "log": str(log),
+            "command": "grt-train " + " ".join(args), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # Installed before planning: a signal while the configs compose starts no job and ends with the summary.
+    with JobSignals().installed() as signals:
+        run_grid(args, signals)
+
+
+def run_grid(args: argparse.Namespace, signals: JobSignals) -> None:
     jobs = [(c, s, b) for b in args.budgets for c in args.cells for s in args.seeds]
     plans = plan_jobs(jobs, args.overrides)
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -169,7 +228,7 @@ def main(argv=None) -> None:
     with ThreadPoolExecutor(args.workers) as pool, (args.log_dir / "grid.jsonl").open("a") as record, \
             tqdm(total=sum(iters for _, iters, _ in plans), initial=steps_done(), desc="grid", unit="step",
                  dynamic_ncols=True, mininterval=1 if interactive else 60) as bar:
-        pending = {pool.submit(run_job, c, s, b, args.overrides, threads, args.log_dir, plan)
+        pending = {pool.submit(run_job, c, s, b, args.overrides, threads, args.log_dir, plan, signals)
                    for (c, s, b), plan in zip(jobs, plans)}
         bar.set_postfix_str(f"0/{len(jobs)} runs")
         while pending:
@@ -178,6 +237,8 @@ def main(argv=None) -> None:
                 result = future.result()
                 returned += 1
                 outcomes.append(result["outcome"])
+                if result["outcome"] == "not started":
+                    continue
                 record.write(json.dumps(result) + "\n")
                 record.flush()
                 rc, outcome = result["returncode"], result["outcome"]
@@ -191,11 +252,15 @@ def main(argv=None) -> None:
                     tqdm.write(log_tail(Path(result["log"])))
                 bar.set_postfix_str(f"{returned}/{len(jobs)} runs", refresh=False)
             bar.update(steps_done() - bar.n)
-    stopped, failed = outcomes.count("stopped"), outcomes.count("failed")
-    others = (f", {stopped} stopped before train.iters (the same command resumes them)" if stopped else "") + \
-        (f", {failed} failed" if failed else "")
+    stopped, failed, waiting = (outcomes.count(o) for o in ("stopped", "failed", "not started"))
+    others = (f", {stopped} stopped before train.iters" if stopped else "") + \
+        (f", {waiting} not started" if waiting else "") + (f", {failed} failed" if failed else "") + \
+        (" (the same command resumes them)" if stopped or waiting else "")
+    by = f" (stopped by {signal.Signals(signals.signum).name})" if signals.signum else ""
     print(f"grid: {outcomes.count('finished')}/{len(jobs)} runs finished{others} in "
-          f"{time.perf_counter() - start:.0f} s")
+          f"{time.perf_counter() - start:.0f} s{by}")
+    if signals.signum:
+        sys.exit(128 + signals.signum)
     if stopped or failed:
         sys.exit(1)
 
