@@ -55,13 +55,18 @@ def test_paper_isoflops_cells_match_dense_depth(scale, dense_layers):
             assert model(f"{variant}_isoparams").num_layers == dense_layers  # unique layers
 
 
-def test_grid_and_report_end_to_end(tmp_path):
-    prefix = tmp_path / "data/books_1k"  # the name the CPU cells expect, prepared from a small corpus
-    proc = run_prepare(["--input", str(SHAKESPEARE), "--output-prefix", str(prefix), "--train-tokenizer",
-                        "--vocab-size", "1024", "--no-progress"])
+def grid_folder(tmp_path: Path) -> dict:
+    """tmp_path with the corpus the CPU cells read (data/books_1k), and the environment a grid runs in there."""
+    proc = run_prepare(["--input", str(SHAKESPEARE), "--output-prefix", str(tmp_path / "data/books_1k"),
+                        "--train-tokenizer", "--vocab-size", "1024", "--no-progress"])
     assert proc.returncode == 0, proc.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     env["GRT_RECIPES"] = str(REPO / "recipes")
+    return env
+
+
+def test_grid_and_report_end_to_end(tmp_path):
+    env = grid_folder(tmp_path)
     # A caller that is itself a rank (pytest after an in-process run, or a grid inside torchrun) passes
     # RANK and a MASTER_PORT it holds: each job must still start its own world of one.
     held = socket.socket()
@@ -136,12 +141,7 @@ def test_grid_reads_a_runs_latest_step_from_the_end_of_its_metrics(tmp_path):
 def test_grid_reports_a_stopped_run_as_stopped_not_finished(tmp_path):
     # grt-train exits 0 after a requeue request (SIGTERM, SIGUSR1, train.exit_interval): the grid must still
     # say the run stopped at its step, exit 1, and finish it when the same command runs again.
-    prefix = tmp_path / "data/books_1k"
-    proc = run_prepare(["--input", str(SHAKESPEARE), "--output-prefix", str(prefix), "--train-tokenizer",
-                        "--vocab-size", "1024", "--no-progress"])
-    assert proc.returncode == 0, proc.stderr
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
-    env["GRT_RECIPES"] = str(REPO / "recipes")
+    env = grid_folder(tmp_path)
     grid = [sys.executable, "-m", "grt_megatron.launch.grid", "cpu/dense", "--seeds", "1", "--log-dir", "logs",
             "--", "train.iters=6", "train.eval_interval=6", "train.eval_iters=1", "checkpoint.interval=0"]
     proc = subprocess.run([*grid, "train.exit_interval=3"], cwd=tmp_path, env=env, capture_output=True,
@@ -171,12 +171,7 @@ def test_grid_job_outcome(returncode, step, outcome):
 def test_a_signal_to_the_grid_stops_its_running_job_at_a_checkpoint_and_starts_no_other(tmp_path, signum):
     # `kill <grid>` (or Ctrl-C, which reaches the jobs only through the grid: they run in their own process
     # group) is passed on: the running grt-train saves and exits, the next job never starts.
-    prefix = tmp_path / "data/books_1k"
-    proc = run_prepare(["--input", str(SHAKESPEARE), "--output-prefix", str(prefix), "--train-tokenizer",
-                        "--vocab-size", "1024", "--no-progress"])
-    assert proc.returncode == 0, proc.stderr
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
-    env["GRT_RECIPES"] = str(REPO / "recipes")
+    env = grid_folder(tmp_path)
     grid = subprocess.Popen([sys.executable, "-m", "grt_megatron.launch.grid", "cpu/dense", "--seeds", "1", "2",
                              "--log-dir", "logs", "--", "train.iters=100000", "train.log_interval=1",
                              "checkpoint.interval=0"],
