@@ -88,8 +88,7 @@ def plan_jobs(jobs, overrides: list[str]) -> list[tuple[Path, int, Path]]:
             cfg = compose_run_config(job_arguments(cell, seed, budget, overrides), world_size=1)  # a world of one
         except (HydraException, OmegaConfBaseException, ConfigError, DataError) as err:
             _fail(f"{cell} seed {seed} budget {budget}: {str(err).splitlines()[0]}")
-        run_dir = Path(cfg.run.dir)
-        plans.append((run_dir, cfg.train.iters, Path(cfg.checkpoint.dir or run_dir / "checkpoints")))
+        plans.append((Path(cfg.run.dir), cfg.train.iters, cfg.checkpoint_root))
     return plans
 
 
@@ -131,7 +130,7 @@ def log_tail(path: Path, lines: int = 5) -> str:
 def job_outcome(returncode: int, step: int, iters: int) -> str:
     """"finished", "stopped" (a signal or train.exit_interval ended it before train.iters; the same command
     resumes it) or "failed". grt-train exits 0 after a requeue request, so the exit status alone cannot tell
-    a stopped run from a finished one: the step its metrics reached does."""
+    a stopped run from a finished one: the step it reached (`run_step`) does."""
     if returncode == 0:
         return "finished" if step >= iters else "stopped"
     return "stopped" if returncode == 128 + signal.SIGINT or returncode == 128 + signal.SIGTERM else "failed"
@@ -199,10 +198,15 @@ def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: 
         out.write(f"$ grt-train {' '.join(args)}\n")
         out.flush()
         proc = signals.start(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        rc = None if proc is None else signals.wait(proc)
-    step = run_step(run_dir, checkpoints)
-    return {"cell": cell, "seed": seed, "budget": budget, "returncode": rc,
-            "outcome": "not started" if rc is None else job_outcome(rc, step, iters), "step": step, "iters": iters,
+        if proc is None:  # the grid was stopped while this job waited for a worker
+            out.write(f"not started: grt-grid was stopped by {signal.Signals(signals.signum).name}\n")
+            rc, step, outcome = None, None, "not started"
+        else:
+            rc = signals.wait(proc)
+            step = run_step(run_dir, checkpoints)
+            outcome = job_outcome(rc, step, iters)
+    return {"cell": cell, "seed": seed, "budget": budget, "returncode": rc, "outcome": outcome, "step": step,
+            "iters": iters,
             "seconds": round(time.perf_counter() - start, 1), "log": str(log),
             "command": "grt-train " + " ".join(args), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 

@@ -7,6 +7,7 @@ dataclass here, so a misspelt or mistyped key fails before anything is built, na
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import os
 import sys
 from dataclasses import dataclass, field
@@ -242,6 +243,11 @@ class RunConfig:
     seed: int = 1234
     resume: Optional[str] = None
     """`auto` (the newest complete checkpoint of run.dir, if any) or a checkpoint / run directory."""
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """Where the run's checkpoints go: checkpoint.dir, else `{run.dir}/checkpoints`."""
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.run.dir) / "checkpoints"
 
     def model_config(self, vocab_size: int) -> GRTConfig:
         recipe = dict(self.model)

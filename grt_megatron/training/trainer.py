@@ -121,7 +121,7 @@ class Trainer:
         `.hydra/`, written only once the run directory is claimed."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
-        self.checkpoint_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.checkpoint_root = cfg.checkpoint_root
         self.info = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_minutes,
                                      cfg.train.deterministic)
         record = record or {}
