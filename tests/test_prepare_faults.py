@@ -90,26 +90,43 @@ def test_interruption_inside_the_sentence_iterator_is_not_swallowed():
         assert time.perf_counter() - start < 30  # stopped, not trained on the sample read so far
 
 
-@pytest.mark.parametrize("sig,workers", [
-    # A known bug, open: with 2 workers a SIGINT is sometimes lost and grt-prepare-data finishes and exits 0
-    # (seen on an idle 2-core machine, 1 run in 3; tokenizing 5x the input did not help, so not a timing race).
-    pytest.param(signal.SIGINT, 2, marks=pytest.mark.xfail(strict=False, reason="SIGINT with 2 workers is "
-                                                            "sometimes lost (exit 0); open bug")),
-    (signal.SIGTERM, 1)], ids=["sigint-2-workers", "sigterm-1-worker"])
-def test_interrupted_tokenization_exits_with_the_signal_and_leaves_nothing(tmp_path, given_tokenizer, sig, workers):
+@pytest.mark.parametrize("sig,workers,delay", [
+    (signal.SIGINT, 2, 0.0),  # as the workers start: multiprocessing.Pool hung here in terminate()
+    (signal.SIGINT, 2, 0.5),  # multiprocessing.Pool's start-up lost it (exit 0) 1 run in 3
+    (signal.SIGTERM, 1, 0.5)], ids=["sigint-2-workers-at-start", "sigint-2-workers", "sigterm-1-worker"])
+def test_interrupted_tokenization_exits_with_the_signal_and_leaves_nothing(tmp_path, given_tokenizer, sig, workers,
+                                                                          delay):
     prefix = tmp_path / "p"
     proc, _ = _start([*BIG_INPUT, "--output-prefix", str(prefix), "--tokenizer", given_tokenizer,
                       "--workers", str(workers), "--no-progress"])
     deadline = time.time() + 120
     while time.time() < deadline and not list(tmp_path.glob("p.tmp-*.bin")) and proc.poll() is None:
-        time.sleep(0.05)
+        time.sleep(0.01)
     assert list(tmp_path.glob("p.tmp-*.bin")), "tokenization never started writing"
-    time.sleep(0.5)
+    time.sleep(delay)
     _interrupt(proc, sig)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, stderr
     assert _one_line(stderr) == (f"grt-prepare-data: interrupted ({signal.Signals(sig).name}) during tokenization; "
                                  f"nothing written under {prefix}")
+    assert _names(tmp_path) == []
+
+
+def test_a_killed_tokenizer_worker_fails_the_run_in_one_line_and_leaves_nothing(tmp_path, given_tokenizer):
+    prefix = tmp_path / "p"
+    proc, _ = _start([*BIG_INPUT, "--output-prefix", str(prefix), "--tokenizer", given_tokenizer,
+                      "--workers", "2", "--no-progress"])
+    deadline = time.time() + 120
+    workers: list[str] = []
+    while time.time() < deadline and len(workers) < 2 and proc.poll() is None:
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        time.sleep(0.01)
+    assert len(workers) == 2, "the workers never started"
+    os.kill(int(workers[1]), signal.SIGKILL)  # what the OOM killer does
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr
+    assert _one_line(stderr).startswith(f"grt-prepare-data: error: tokenizer worker 1 (pid {workers[1]}) was killed "
+                                        f"by SIGKILL (out of memory?); nothing written under {prefix}")
     assert _names(tmp_path) == []
 
 

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import multiprocessing as mp
 import os
 import signal
 import sys
-import threading
 import time
 from contextlib import closing
 from dataclasses import asdict, dataclass
@@ -31,6 +29,7 @@ from grt_megatron.data.indexed import (IndexedDatasetWriter, check_output_free, 
 from grt_megatron.data.sources import (DataError, EmptyCorpusError, SourcePolicy, SourceStats, check_sources,
                                        iter_documents)
 from grt_megatron.data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
+from grt_megatron.data.tokenizer_workers import TokenizerWorkers, TokenizerWorkerError
 from grt_megatron.errors import Interrupted, raise_interrupted, raised_from
 
 CHUNK_DOCUMENTS = 64
@@ -59,19 +58,6 @@ class PrepareSummary:
                 f"({self.tokens_per_s:,.0f} tokens/s){extra}")
 
 
-# ---- worker processes: each holds its own tokenizer ----------------------------------------------
-_WORKER_TOKENIZER: Optional[Tokenizer] = None
-
-
-def _init_worker(tokenizer: Tokenizer) -> None:
-    global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = tokenizer
-
-
-def _encode_chunk(texts: Sequence[str]) -> list[list[int]]:
-    return _WORKER_TOKENIZER.encode_batch(texts)
-
-
 def _chunks(docs: Iterable[str], size: int) -> Iterator[list[str]]:
     it = iter(docs)
     while chunk := list(itertools.islice(it, size)):
@@ -83,26 +69,8 @@ def _encoded(docs: Iterable[str], tokenizer: Tokenizer, workers: int) -> Iterato
         for chunk in _chunks(docs, CHUNK_DOCUMENTS):
             yield tokenizer.encode_batch(chunk)
         return
-    # spawn, not fork: the parent may hold torch/OpenMP threads that a forked child would deadlock on.
-    pool = _started_without_sigint(lambda: mp.get_context("spawn").Pool(
-        workers, initializer=_init_worker, initargs=(tokenizer,)))
-    with pool:
-        yield from pool.imap(_encode_chunk, _chunks(docs, CHUNK_DOCUMENTS), chunksize=4)
-
-
-def _started_without_sigint(start: Callable):
-    """Start worker processes that ignore SIGINT: a Ctrl-C reaches the whole process group, and only the
-    parent should answer it (in one line, terminating the pool), not each worker with a traceback. An
-    ignored signal is what a child inherits across exec (a handler would not be), so the parent ignores
-    it while starting them; a Ctrl-C in those milliseconds is lost."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous is None:
-        return start()  # only the main thread may set handlers; None: one set outside Python, left alone
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        return start()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with TokenizerWorkers(tokenizer, workers) as pool:
+        yield from pool.imap(_chunks(docs, CHUNK_DOCUMENTS))
 
 
 def prepare_dataset(
@@ -249,6 +217,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except DataError as err:
         print(f"grt-prepare-data: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except TokenizerWorkerError as err:
+        print(f"grt-prepare-data: error: {err}; nothing written under {args.output_prefix}", file=sys.stderr)
+        sys.exit(1)
     except BaseException as err:
         # The signal's own exception, or one that C code it interrupted wrapped it in (an extension's import).
         stop = raised_from(err, (KeyboardInterrupt, Interrupted))
