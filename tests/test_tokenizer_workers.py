@@ -30,13 +30,13 @@ def chunks():
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs. A zombie counts as gone: only its parent can reap it. (One read of /proc: a check
+    of the pid first and a read after could find it reaped in between.)"""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    # A zombie is gone for our purposes; only its parent can reap it.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _gone_within(pids: list[int], seconds: float) -> bool:

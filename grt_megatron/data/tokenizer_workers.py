@@ -26,7 +26,7 @@ import sys
 import threading
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, NoReturn, Sequence
 
 from grt_megatron.data.tokenizer import Tokenizer
 from grt_megatron.errors import Interrupted
@@ -148,7 +148,7 @@ class TokenizerWorkers:
             raise TokenizerWorkerError(f"tokenizer worker {worker}: {payload}")
         return payload
 
-    def _raise_died(self, worker: int) -> None:
+    def _raise_died(self, worker: int) -> NoReturn:
         proc = self._procs[worker]
         try:
             returncode = proc.wait(timeout=5)
@@ -160,13 +160,14 @@ class TokenizerWorkers:
 
     def _stop(self, kill: bool) -> None:
         for conn, proc in zip(self._conns, self._procs):
-            if not kill:
+            if kill:
+                if proc.poll() is None:
+                    proc.kill()
+            else:
                 try:
                     conn.send(None)
                 except OSError:
                     pass  # already gone: its exit code is all there is to collect
-            if kill and proc.poll() is None:
-                proc.kill()
         for proc in self._procs:
             try:
                 proc.wait(timeout=None if kill else 30)

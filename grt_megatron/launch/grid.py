@@ -206,8 +206,7 @@ def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: 
             step = run_step(run_dir, checkpoints)
             outcome = job_outcome(rc, step, iters)
     return {"cell": cell, "seed": seed, "budget": budget, "returncode": rc, "outcome": outcome, "step": step,
-            "iters": iters,
-            "seconds": round(time.perf_counter() - start, 1), "log": str(log),
+            "iters": iters, "seconds": round(time.perf_counter() - start, 1), "log": str(log),
             "command": "grt-train " + " ".join(args), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

@@ -7,10 +7,10 @@ dataclass here, so a misspelt or mistyped key fails before anything is built, na
 from __future__ import annotations
 
 import math
-from pathlib import Path
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
