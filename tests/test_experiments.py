@@ -144,9 +144,18 @@ def test_grid_reports_a_stopped_run_as_stopped_not_finished(tmp_path):
     env = grid_folder(tmp_path)
     grid = [sys.executable, "-m", "grt_megatron.launch.grid", "cpu/dense", "--seeds", "1", "--log-dir", "logs",
             "--", "train.iters=6", "train.eval_interval=6", "train.eval_iters=1", "checkpoint.interval=0"]
-    proc = subprocess.run([*grid, "train.exit_interval=3"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    # Another training already holds every core (a second grid, say): this grid's job gets the one thread
+    # left to it, and the grid says so rather than silently running both at a fraction of their speed.
+    other = start_other_training(tmp_path, threads=os.cpu_count())
+    try:
+        proc = subprocess.run([*grid, "train.exit_interval=3"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+    finally:
+        other.kill()
+        other.wait()
     assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "grt-train process(es) already running here" in proc.stderr
+    assert "this grid's jobs get 1 thread(s) each" in proc.stderr and "every run will be slower" in proc.stderr
     assert "cpu/dense seed 1 budget 1.0: stopped at step 3 of 6; the same command resumes it" in proc.stdout
     assert "grid: 0/1 runs finished, 1 stopped before train.iters (the same command resumes them)" in proc.stdout
 
@@ -156,6 +165,61 @@ def test_grid_reports_a_stopped_run_as_stopped_not_finished(tmp_path):
     jobs = read_jsonl(tmp_path / "logs/grid.jsonl")
     assert [(j["outcome"], j["step"], j["iters"], j["returncode"]) for j in jobs] == [
         ("stopped", 3, 6, 0), ("finished", 6, 6, 0)]
+    assert jobs[0]["threads"] == 1
+
+
+def start_other_training(folder: Path, threads: int | None) -> subprocess.Popen:
+    """A process that looks to /proc exactly as a `grt-train` console script does (the interpreter running a
+    file named grt-train), with OMP_NUM_THREADS set or not, that sleeps instead of training."""
+    script = folder / "bin/grt-train"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text("import sys, time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen([sys.executable, str(script), "experiment=cpu/dense"], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline() == "up\n"
+    return proc
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc")
+def test_grid_counts_the_threads_of_trainings_already_running(tmp_path):
+    from grt_megatron.launch.grid import training_processes, usable_cores
+
+    with_omp, without = start_other_training(tmp_path / "a", 3), start_other_training(tmp_path / "b", None)
+    try:
+        found = dict(training_processes())
+    finally:
+        for proc in (with_omp, without):
+            proc.kill()
+            proc.wait()
+    assert found[with_omp.pid] == 3
+    assert found[without.pid] == usable_cores()  # torch's default: a thread per core
+    assert os.getpid() not in found
+    assert not {with_omp.pid, without.pid} & set(dict(training_processes()))  # gone once reaped
+
+
+@pytest.mark.parametrize("argv, training", [
+    (["python", "-m", "grt_megatron.training.cli", "experiment=probe/dense6"], True),  # a grt-grid job
+    (["/venv/bin/python", "/venv/bin/grt-train", "train=cpu"], True),  # the console script
+    (["/usr/bin/python3", "-u", "-m", "grt_megatron.training.cli"], True),  # a torchrun rank
+    (["python", "/venv/bin/torchrun", "--nproc_per_node=2", "-m", "grt_megatron.training.cli"], False),
+    (["python", "-m", "torch.distributed.run", "grt-train"], False),
+    (["python", "/venv/bin/grt-grid", "probe/dense6"], False),
+    (["python", "-m", "pytest", "tests/test_training.py"], False), ([""], False)])
+def test_grid_tells_a_training_from_its_launchers(argv, training):
+    from grt_megatron.launch.grid import is_training
+
+    assert is_training([a.encode() for a in argv]) is training
+
+
+@pytest.mark.parametrize("cores, busy, workers, threads", [
+    (2, 0, 2, 1), (2, 0, 1, 2), (2, 2, 1, 1), (2, 4, 2, 1), (16, 4, 3, 4), (16, 0, 4, 4)])
+def test_grid_shares_the_free_cores_among_its_workers(cores, busy, workers, threads):
+    from grt_megatron.launch.grid import threads_per_job
+
+    assert threads_per_job(cores, busy, workers) == threads
 
 
 @pytest.mark.parametrize("returncode, step, outcome", [

@@ -4,12 +4,15 @@
 
 Each job is `grt-train experiment=CELL seed=S experiment.budget=B resume=auto [overrides]` in its own
 process with `OMP_NUM_THREADS = cores / workers` (on a small CPU, two one-thread runs train ~1.3× more
-tokens per second in all than one two-thread run). `resume=auto` makes the grid restartable: a killed
-grid continues each cell from its last checkpoint, and a finished cell returns at once. Jobs are taken
-cell by cell, so the seeds of a cell finish together. Every job's configuration is composed before any
-starts (a recipe or override that does not compose is refused at once, in one line), and the progress bar
-counts the steps of all jobs together, read from each run's metrics.jsonl. On a cluster, submit cells with
-`grt-submit` or hydra multirun instead (`grt-train -m experiment=small/dense,small/grt_isoflops seed=1,2,3`).
+tokens per second in all than one two-thread run). The cores are those that grt-train processes already
+running here (another grid's, say) leave free, with a warning: two grids of `--workers 1` on 2 cores gave
+each run 2 threads, and each trained ~8× slower than in one grid of `--workers 2`. `resume=auto` makes the
+grid restartable: a killed grid continues each cell from its last checkpoint, and a finished cell returns at
+once. Jobs are taken cell by cell, so the seeds of a cell finish together. Every job's configuration is
+composed before any starts (a recipe or override that does not compose is refused at once, in one line), and
+the progress bar counts the steps of all jobs together, read from each run's metrics.jsonl. On a cluster,
+submit cells with `grt-submit` or hydra multirun instead (`grt-train -m experiment=small/dense,small/grt_isoflops
+seed=1,2,3`).
 
 A job counts as finished only when its metrics reach train.iters. One that a signal or train.exit_interval
 stopped earlier exits 0 for a requeue, but here it is reported as stopped at its step, not as done; the grid
@@ -127,6 +130,59 @@ def log_tail(path: Path, lines: int = 5) -> str:
     return "\n".join("    " + line for line in text[-lines:])
 
 
+TRAINING_MODULE = "grt_megatron.training.cli"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a SLURM or cgroup CPU mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+LAUNCHERS = {"torchrun", "torch.distributed.run", "srun", "grt-grid", "grt-submit"}
+
+
+def is_training(argv: list[bytes]) -> bool:
+    """Whether a process's command line is a training: `python -m grt_megatron.training.cli` (grt-grid's jobs,
+    torchrun's ranks) or the `grt-train` script, not a launcher that names it among its arguments."""
+    names = [Path(a.decode(errors="replace")).name for a in argv[:4]]
+    if any(name in LAUNCHERS for name in names[:3]):
+        return False
+    return any(name in (TRAINING_MODULE, "grt-train") for name in names)
+
+
+def training_processes(proc: Path = Path("/proc"), exclude: set[int] | None = None) -> list[tuple[int, int]]:
+    """(pid, threads) of every grt-train process running on this machine: its OMP_NUM_THREADS, or all usable
+    cores where that is unset or unreadable (torch's default). Empty where there is no /proc."""
+    exclude = {os.getpid()} if exclude is None else exclude
+    found = []
+    for entry in proc.glob("[0-9]*"):
+        try:
+            pid = int(entry.name)
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):  # gone since the listing, or not ours to read
+            continue
+        if pid in exclude or not is_training(args):
+            continue
+        threads = usable_cores()
+        try:
+            for var in (entry / "environ").read_bytes().split(b"\0"):
+                if var.startswith(b"OMP_NUM_THREADS="):
+                    threads = int(var.split(b"=", 1)[1]) or threads
+        except (OSError, ValueError):
+            pass
+        found.append((pid, threads))
+    return sorted(found)
+
+
+def threads_per_job(cores: int, busy_threads: int, workers: int) -> int:
+    """Each job's OMP_NUM_THREADS: the cores other trainings leave free, shared by this grid's workers; at
+    least one (then the machine is oversubscribed, and the caller says so)."""
+    return max(1, (cores - busy_threads) // workers)
+
+
 def job_outcome(returncode: int, step: int, iters: int) -> str:
     """"finished", "stopped" (a signal or train.exit_interval ended it before train.iters; the same command
     resumes it) or "failed". grt-train exits 0 after a requeue request, so the exit status alone cannot tell
@@ -206,7 +262,7 @@ def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: 
             step = run_step(run_dir, checkpoints)
             outcome = job_outcome(rc, step, iters)
     return {"cell": cell, "seed": seed, "budget": budget, "returncode": rc, "outcome": outcome, "step": step,
-            "iters": iters, "seconds": round(time.perf_counter() - start, 1), "log": str(log),
+            "iters": iters, "threads": threads, "seconds": round(time.perf_counter() - start, 1), "log": str(log),
             "command": "grt-train " + " ".join(args), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
@@ -221,7 +277,16 @@ def run_grid(args: argparse.Namespace, signals: JobSignals) -> None:
     jobs = [(c, s, b) for b in args.budgets for c in args.cells for s in args.seeds]
     plans = plan_jobs(jobs, args.overrides)
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    cores, others = usable_cores(), training_processes()
+    busy = sum(t for _, t in others)
+    threads = threads_per_job(cores, busy, args.workers)
+    if others:
+        pids = ", ".join(str(pid) for pid, _ in others[:4]) + (" …" if len(others) > 4 else "")
+        load = busy + threads * min(args.workers, len(jobs))
+        print(f"grt-grid: warning: {len(others)} grt-train process(es) already running here (pid {pids}) use "
+              f"{busy} of {cores} cores; this grid's jobs get {threads} thread(s) each"
+              + (f", {load} threads on {cores} cores: every run will be slower (run cells in one grid with "
+                 f"--workers instead)" if load > cores else ""), file=sys.stderr)
 
     def steps_done() -> int:  # resumed jobs count the steps they had
         return sum(min(latest_step(run_dir / "metrics.jsonl"), iters) for run_dir, iters, _ in plans)
