@@ -157,7 +157,7 @@ def training_processes(proc: Path = Path("/proc"), exclude: set[int] | None = No
     """(pid, threads) of every grt-train process running on this machine: its OMP_NUM_THREADS, or all usable
     cores where that is unset or unreadable (torch's default). Empty where there is no /proc."""
     exclude = {os.getpid()} if exclude is None else exclude
-    found = []
+    default_threads, found = usable_cores(), []
     for entry in proc.glob("[0-9]*"):
         try:
             pid = int(entry.name)
@@ -166,7 +166,7 @@ def training_processes(proc: Path = Path("/proc"), exclude: set[int] | None = No
             continue
         if pid in exclude or not is_training(args):
             continue
-        threads = usable_cores()
+        threads = default_threads
         try:
             for var in (entry / "environ").read_bytes().split(b"\0"):
                 if var.startswith(b"OMP_NUM_THREADS="):
