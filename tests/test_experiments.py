@@ -204,6 +204,10 @@ def test_grid_counts_the_threads_of_trainings_already_running(tmp_path):
     (["python", "-m", "grt_megatron.training.cli", "experiment=probe/dense6"], True),  # a grt-grid job
     (["/venv/bin/python", "/venv/bin/grt-train", "train=cpu"], True),  # the console script
     (["/usr/bin/python3", "-u", "-m", "grt_megatron.training.cli"], True),  # a torchrun rank
+    (["python", "-X", "importtime", "-W", "ignore", "-u", "-m", "grt_megatron.training.cli"], True),
+    (["python3.12", "-mgrt_megatron.training.cli", "seed=2"], True), (["/venv/bin/grt-train"], True),
+    (["python", "-X", "dev", "/venv/bin/grt-train", "train=cpu"], True),
+    (["python", "-c", "import grt_megatron.training.cli", "grt-train"], False),
     (["python", "/venv/bin/torchrun", "--nproc_per_node=2", "-m", "grt_megatron.training.cli"], False),
     (["python", "-m", "torch.distributed.run", "grt-train"], False),
     (["python", "/venv/bin/grt-grid", "probe/dense6"], False),
@@ -212,6 +216,29 @@ def test_grid_tells_a_training_from_its_launchers(argv, training):
     from grt_megatron.launch.grid import is_training
 
     assert is_training([a.encode() for a in argv]) is training
+
+
+def fake_process(proc: Path, pid: int, argv: list[str], threads: int) -> None:
+    """A /proc/PID entry as Linux shows a process: its NUL-separated command line and environment."""
+    (proc / str(pid)).mkdir(parents=True)
+    (proc / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    (proc / str(pid) / "environ").write_bytes(f"HOME=/root\0OMP_NUM_THREADS={threads}\0".encode())
+
+
+def test_grid_sizes_each_job_when_it_starts_counting_only_other_grids_trainings(tmp_path):
+    # A grid started alone gives its job every core; once a second grid's training runs beside it, the first
+    # grid's next job must get the cores that one leaves, not the count the first grid saw when it began.
+    # (A /proc of its own: the machine running the tests may be training.)
+    from grt_megatron.launch.grid import job_threads
+
+    job = ["python", "-m", "grt_megatron.training.cli", "experiment=probe/dense6"]
+    fake_process(tmp_path, 101, job, threads=1)  # this grid's running job
+    fake_process(tmp_path, 202, job, threads=3)  # another grid's
+    fake_process(tmp_path, 303, ["python", "/venv/bin/grt-grid", "probe/dense6"], threads=8)  # a launcher
+    assert job_threads(cores=8, workers=1, own={101}, proc=tmp_path) == 5
+    assert job_threads(cores=8, workers=2, own={101}, proc=tmp_path) == 2
+    assert job_threads(cores=8, workers=1, own=set(), proc=tmp_path) == 4
+    assert job_threads(cores=8, workers=1, own={101, 202}, proc=tmp_path) == 8
 
 
 @pytest.mark.parametrize("cores, busy, workers, threads", [

@@ -2,16 +2,17 @@
 
     grt-grid cpu/dense cpu/grt_isoflops --seeds 1 2 --workers 2 [-- hydra overrides for every job]
 
-Each job is `grt-train experiment=CELL seed=S experiment.budget=B resume=auto [overrides]` in its own
-process with `OMP_NUM_THREADS = cores / workers` (on a small CPU, two one-thread runs train ~1.3× more
-tokens per second in all than one two-thread run). The cores are those that grt-train processes already
-running here (another grid's, say) leave free, with a warning: two grids of `--workers 1` on 2 cores gave
-each run 2 threads, and each trained ~8× slower than in one grid of `--workers 2`. `resume=auto` makes the
-grid restartable: a killed grid continues each cell from its last checkpoint, and a finished cell returns at
-once. Jobs are taken cell by cell, so the seeds of a cell finish together. Every job's configuration is
-composed before any starts (a recipe or override that does not compose is refused at once, in one line), and
-the progress bar counts the steps of all jobs together, read from each run's metrics.jsonl. On a cluster,
-submit cells with `grt-submit` or hydra multirun instead (`grt-train -m experiment=small/dense,small/grt_isoflops
+Each job is `grt-train experiment=CELL seed=S experiment.budget=B resume=auto [overrides]` in its own process
+with `OMP_NUM_THREADS = cores / workers` (on a small CPU, two one-thread runs train ~1.3× more tokens per
+second in all than one two-thread run). The cores are those that other grt-train processes running here when
+the job starts (another grid's, say) leave free, and a grid started beside a training warns: two grids of
+`--workers 1` on 2 cores gave each run 2 threads, and each trained ~8× slower than in one grid of
+`--workers 2`. A job already running keeps its threads; the next one is sized anew. `resume=auto` makes the
+grid restartable: a killed grid continues each cell from its last checkpoint, and a finished cell returns at once.
+Jobs are taken cell by cell, so the seeds of a cell finish together. Every job's configuration is composed
+before any starts (a recipe or override that does not compose is refused at once, in one line), and the
+progress bar counts the steps of all jobs together, read from each run's metrics.jsonl. On a cluster, submit
+cells with `grt-submit` or hydra multirun instead (`grt-train -m experiment=small/dense,small/grt_isoflops
 seed=1,2,3`).
 
 A job counts as finished only when its metrics reach train.iters. One that a signal or train.exit_interval
@@ -36,6 +37,7 @@ import time
 from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -141,16 +143,39 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-LAUNCHERS = {"torchrun", "torch.distributed.run", "srun", "grt-grid", "grt-submit"}
+# Interpreter options that take the next argument as their value (`python -X importtime -W ignore -m ...`).
+PYTHON_OPTIONS_WITH_VALUE = {"-X", "-W", "--check-hash-based-pycs"}
+
+
+def program_of(argv: list[str]) -> str | None:
+    """What a process runs: the module of `python [options] -m MODULE`, the name of the script of `python
+    [options] SCRIPT` (a console script such as grt-train runs so), the executable's own name where it is
+    not a Python interpreter, None for `python -c` or a bare interpreter."""
+    if not argv or not argv[0]:
+        return None
+    name = Path(argv[0]).name
+    if not (name.startswith("python") or name.startswith("pypy")):
+        return name
+    rest = iter(argv[1:])
+    for arg in rest:
+        if arg == "-m":
+            return next(rest, None)
+        if arg.startswith("-m"):  # -mMODULE
+            return arg[2:]
+        if arg.startswith("-c"):
+            return None
+        if arg in PYTHON_OPTIONS_WITH_VALUE:
+            next(rest, None)
+        elif not arg.startswith("-") or arg == "-":
+            return Path(arg).name
+    return None
 
 
 def is_training(argv: list[bytes]) -> bool:
-    """Whether a process's command line is a training: `python -m grt_megatron.training.cli` (grt-grid's jobs,
-    torchrun's ranks) or the `grt-train` script, not a launcher that names it among its arguments."""
-    names = [Path(a.decode(errors="replace")).name for a in argv[:4]]
-    if any(name in LAUNCHERS for name in names[:3]):
-        return False
-    return any(name in (TRAINING_MODULE, "grt-train") for name in names)
+    """Whether a process's command line is a training: `python [options] -m grt_megatron.training.cli`
+    (grt-grid's jobs, torchrun's ranks) or the `grt-train` script. A launcher (torchrun, grt-grid, srun)
+    that names it among its arguments is not: its program is the launcher."""
+    return program_of([a.decode(errors="replace") for a in argv]) in (TRAINING_MODULE, "grt-train")
 
 
 def training_processes(proc: Path = Path("/proc"), exclude: set[int] | None = None) -> list[tuple[int, int]]:
@@ -181,6 +206,14 @@ def threads_per_job(cores: int, busy_threads: int, workers: int) -> int:
     """Each job's OMP_NUM_THREADS: the cores other trainings leave free, shared by this grid's workers; at
     least one (then the machine is oversubscribed, and the caller says so)."""
     return max(1, (cores - busy_threads) // workers)
+
+
+def job_threads(cores: int, workers: int, own: set[int], proc: Path = Path("/proc")) -> int:
+    """The threads a job starting now gets: the cores that trainings other than this grid's own jobs leave
+    free, shared among its workers. Read at each job's start, not once at the grid's: a grid started beside
+    this one, or one that ended, changes what is free for the jobs still waiting."""
+    elsewhere = training_processes(proc, exclude=own)
+    return threads_per_job(cores, sum(t for _, t in elsewhere), workers)
 
 
 def job_outcome(returncode: int, step: int, iters: int) -> str:
@@ -230,6 +263,10 @@ class JobSignals:
             self.running.add(proc)
             return proc
 
+    def pids(self) -> set[int]:
+        with self.lock:
+            return {proc.pid for proc in self.running}
+
     def wait(self, proc: subprocess.Popen) -> int:
         rc = proc.wait()
         with self.lock:
@@ -237,8 +274,8 @@ class JobSignals:
         return rc
 
 
-def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: int, log_dir: Path,
-            plan: tuple[Path, int, Path], signals: JobSignals) -> dict:
+def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads_for: Callable[[], int],
+            log_dir: Path, plan: tuple[Path, int, Path], signals: JobSignals) -> dict:
     log = log_dir / f"{cell.replace('/', '__')}-budget{budget}-seed{seed}.log"
     args = job_arguments(cell, seed, budget, overrides)
     # This interpreter's grt-train, whether or not the environment's bin folder is on PATH.
@@ -247,6 +284,7 @@ def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads: 
     # the caller (a grid started inside torchrun, or a process that already joined a process group)
     # would make every job bind the same, taken port.
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    threads = threads_for()  # sized when the job starts, not when the grid did: other grids come and go
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     start = time.perf_counter()
     run_dir, iters, checkpoints = plan
@@ -280,6 +318,9 @@ def run_grid(args: argparse.Namespace, signals: JobSignals) -> None:
     cores, others = usable_cores(), training_processes()
     busy = sum(t for _, t in others)
     threads = threads_per_job(cores, busy, args.workers)
+
+    def threads_for_job() -> int:
+        return job_threads(cores, args.workers, own={os.getpid(), *signals.pids()})
     if others:
         pids = ", ".join(str(pid) for pid, _ in others[:4]) + (" …" if len(others) > 4 else "")
         load = busy + threads * min(args.workers, len(jobs))
@@ -296,7 +337,7 @@ def run_grid(args: argparse.Namespace, signals: JobSignals) -> None:
     with ThreadPoolExecutor(args.workers) as pool, (args.log_dir / "grid.jsonl").open("a") as record, \
             tqdm(total=sum(iters for _, iters, _ in plans), initial=steps_done(), desc="grid", unit="step",
                  dynamic_ncols=True, mininterval=1 if interactive else 60) as bar:
-        pending = {pool.submit(run_job, c, s, b, args.overrides, threads, args.log_dir, plan, signals)
+        pending = {pool.submit(run_job, c, s, b, args.overrides, threads_for_job, args.log_dir, plan, signals)
                    for (c, s, b), plan in zip(jobs, plans)}
         bar.set_postfix_str(f"0/{len(jobs)} runs")
         while pending:
