@@ -143,7 +143,12 @@ def test_report_shows_the_depth_probe_by_k_and_by_r(tmp_path):
     history = rows["grt"]["probe_history"]
     assert sorted(history) == [10, 20, 30] and history[10]["probe_accuracy_k4"] == (0.0, 0.0)
     assert history[30]["probe_accuracy_k1"] == (pytest.approx(0.85), pytest.approx(statistics.stdev([0.9, 0.8])))
+    # When each k was learned, per seed: the first evaluation at accuracy >= 0.9. grt seed 1 reaches k = 1 at
+    # step 30 (0.9), seed 2 never (0.8 at most); dense never; no cell learns k = 4.
+    assert rows["grt"]["probe_learned_at"] == {1: [30, None], 4: [None, None]}
+    assert rows["dense"]["probe_learned_at"] == {1: [None, None], 4: [None, None]}
     report = (out / "report.md").read_text()
+    assert "### When each k was learned" in report and "| grt | 1, 2 | 30 / — | — / — |" in report
     assert "## Depth probe" in report and "| cell | shape | seeds | k=1 | k=4 |" in report
     assert "| grt | 1+1x3+1 | 2 | 0.8500 ± 0.0707 (0.15) | 0.4000 ± 0.1414 (1.60) |" in report
     assert report.index("| grt | 1+1x3+1 | 2 |") < report.index("| dense | 1+1x3+1 | 2 |")  # by accuracy at k=4

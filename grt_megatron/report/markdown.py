@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from grt_megatron.report.stats import is_dense_reference
+from grt_megatron.report.stats import PROBE_LEARNED_ACCURACY, is_dense_reference
 
 
 def fmt_mean_std(mean: float, std: float) -> str:
@@ -191,6 +191,18 @@ def _probe_tables(rows: list[dict]) -> list[str]:
         cells = [f"{fmt_mean_std(*r['probe'][f'probe_accuracy_k{k}'])} ({r['probe'][f'probe_answer_nll_k{k}'][0]:.2f})"
                  for k in hops]
         lines.append(f"| {cell_label(r)} | {r['shape']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
+    learned = [r for r in probed if r.get("probe_learned_at")]
+    if learned:
+        lines += ["", "### When each k was learned", "",
+                  f"The first evaluation step at which each seed's answer accuracy reached "
+                  f"{PROBE_LEARNED_ACCURACY:.1f}, seeds in the order of the `seeds` column (— never). A cell whose "
+                  "seeds split into learned and never has a mean that describes none of them.", "",
+                  "| cell | seeds | " + " | ".join(f"k={k}" for k in hops) + " |", "|---|---|" + "---:|" * len(hops)]
+        for r in sorted(learned, key=lambda r: -r["probe"][top][0]):
+            at = {int(k): v for k, v in r["probe_learned_at"].items()}
+            cells = [" / ".join("—" if step is None else f"{step:,}" for step in at[k]) if k in at else ""
+                     for k in hops]
+            lines.append(f"| {cell_label(r)} | {', '.join(map(str, r['seeds']))} | " + " | ".join(cells) + " |")
     paired = [r for r in probed if r.get("probe_delta_vs_dense_seeds")]
     if paired:
         reference = next((r for r in probed if is_dense_reference(r["variant"], r["comparison"])), None)

@@ -8,6 +8,11 @@ from typing import Any
 from grt_megatron.report.load import Run
 
 
+PROBE_LEARNED_ACCURACY = 0.9
+"""A k counts as learned at the first evaluation whose answer accuracy reaches this: well above the plateau of
+a model that picks one of the prompt's chains' digits (1/chains; 0.5 with the probe's two chains)."""
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else float("nan"))
 
@@ -43,6 +48,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                       for k in sorted(set.intersection(*(set(r.probe) for r in group)))},
             "probe_sweep": _probe_sweep(group),
             "probe_history": _probe_history(group),
+            "probe_learned_at": _probe_learned_at(group),
             "runs": [str(r.path) for r in group],
         })
     _paired_with_dense(rows, cells)
@@ -65,6 +71,20 @@ def _probe_history(group: list[Run]) -> dict[int, dict[str, tuple[float, float]]
     steps = sorted(set.intersection(*(set(h) for h in histories)))
     return {s: {k: _mean_std([h[s][k] for h in histories])
                 for k in sorted(set.intersection(*(set(h[s]) for h in histories)))} for s in steps}
+
+
+def _probe_learned_at(group: list[Run]) -> dict[int, list[int | None]]:
+    """Per k, each seed's first evaluation step with accuracy >= PROBE_LEARNED_ACCURACY (None: never), in the
+    order of the cell's seeds. Seeds of one cell can split into runs that learn a k and runs that never do;
+    a mean over them hides that, and when the split is drawn in training is part of the answer."""
+    evaluations = [set(p) for r in group for _, p in r.probe_history]
+    if not evaluations or not all(r.probe_history for r in group):
+        return {}
+    keys = set.intersection(*evaluations)
+    hops = sorted(int(k.rsplit("_k", 1)[1]) for k in keys if k.startswith("probe_accuracy_k"))
+    return {k: [next((step for step, p in sorted(r.probe_history, key=lambda sp: sp[0])
+                      if p[f"probe_accuracy_k{k}"] >= PROBE_LEARNED_ACCURACY), None) for r in group]
+            for k in hops}
 
 
 def _paired_with_dense(rows: list[dict], cells: dict[tuple[str, float], list[Run]]) -> None:
