@@ -148,7 +148,8 @@ def test_report_shows_the_depth_probe_by_k_and_by_r(tmp_path):
     assert rows["grt"]["probe_learned_at"] == {1: [30, None], 4: [None, None]}
     assert rows["dense"]["probe_learned_at"] == {1: [None, None], 4: [None, None]}
     report = (out / "report.md").read_text()
-    assert "### When each k was learned" in report and "| grt | 1, 2 | 30 / — | — / — |" in report
+    assert "### When each k was learned" in report and "| grt | 1, 2 | 30 / — |" in report
+    assert "No seed of any cell reached it at k = 4." in report and "| dense | 1, 2 | — / — |" in report
     assert "## Depth probe" in report and "| cell | shape | seeds | k=1 | k=4 |" in report
     assert "| grt | 1+1x3+1 | 2 | 0.8500 ± 0.0707 (0.15) | 0.4000 ± 0.1414 (1.60) |" in report
     assert report.index("| grt | 1+1x3+1 | 2 |") < report.index("| dense | 1+1x3+1 | 2 |")  # by accuracy at k=4

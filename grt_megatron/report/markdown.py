@@ -192,16 +192,20 @@ def _probe_tables(rows: list[dict]) -> list[str]:
                  for k in hops]
         lines.append(f"| {cell_label(r)} | {r['shape']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
     learned = [r for r in probed if r.get("probe_learned_at")]
-    if learned:
+    at = {(r["cell"], r["budget"]): {int(k): v for k, v in r["probe_learned_at"].items()} for r in learned}
+    ever = [k for k in hops if any(step is not None for a in at.values() for step in a.get(k, []))]
+    if ever:
+        never = [k for k in hops if k not in ever]
         lines += ["", "### When each k was learned", "",
                   f"The first evaluation step at which each seed's answer accuracy reached "
                   f"{PROBE_LEARNED_ACCURACY:.1f}, seeds in the order of the `seeds` column (— never). A cell whose "
-                  "seeds split into learned and never has a mean that describes none of them.", "",
-                  "| cell | seeds | " + " | ".join(f"k={k}" for k in hops) + " |", "|---|---|" + "---:|" * len(hops)]
+                  "seeds split into learned and never has a mean that describes none of them."
+                  + (f" No seed of any cell reached it at k = {', '.join(map(str, never))}." if never else ""), "",
+                  "| cell | seeds | " + " | ".join(f"k={k}" for k in ever) + " |", "|---|---|" + "---:|" * len(ever)]
         for r in sorted(learned, key=lambda r: -r["probe"][top][0]):
-            at = {int(k): v for k, v in r["probe_learned_at"].items()}
-            cells = [" / ".join("—" if step is None else f"{step:,}" for step in at[k]) if k in at else ""
-                     for k in hops]
+            steps = at[r["cell"], r["budget"]]
+            cells = [" / ".join("—" if step is None else f"{step:,}" for step in steps[k]) if k in steps else ""
+                     for k in ever]
             lines.append(f"| {cell_label(r)} | {', '.join(map(str, r['seeds']))} | " + " | ".join(cells) + " |")
     paired = [r for r in probed if r.get("probe_delta_vs_dense_seeds")]
     if paired:
