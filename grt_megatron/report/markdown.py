@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from grt_megatron.report.stats import PROBE_LEARNED_ACCURACY, is_dense_reference
+from grt_megatron.report.stats import PROBE_LEARNED_ACCURACY, is_dense_reference, probe_hops
 
 
 def fmt_mean_std(mean: float, std: float) -> str:
@@ -171,7 +171,12 @@ def probe_hops_of(rows: list[dict]) -> list[int]:
     """The k values every probed cell scored."""
     probed = [r for r in rows if r.get("probe")]
     keys = set.intersection(*(set(r["probe"]) for r in probed)) if probed else set()
-    return sorted(int(k.rsplit("_k", 1)[1]) for k in keys if k.startswith("probe_accuracy_k"))
+    return probe_hops(keys)
+
+
+def _learned_at(row: dict) -> dict[int, list]:
+    """A row's `probe_learned_at` by int k (summary.json's keys are strings)."""
+    return {int(k): steps for k, steps in row["probe_learned_at"].items()}
 
 
 def _probe_tables(rows: list[dict]) -> list[str]:
@@ -192,8 +197,7 @@ def _probe_tables(rows: list[dict]) -> list[str]:
                  for k in hops]
         lines.append(f"| {cell_label(r)} | {r['shape']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
     learned = [r for r in probed if r.get("probe_learned_at")]
-    at = {(r["cell"], r["budget"]): {int(k): v for k, v in r["probe_learned_at"].items()} for r in learned}
-    ever = [k for k in hops if any(step is not None for a in at.values() for step in a.get(k, []))]
+    ever = [k for k in hops if any(step is not None for r in learned for step in _learned_at(r).get(k, []))]
     if ever:
         never = [k for k in hops if k not in ever]
         lines += ["", "### When each k was learned", "",
@@ -203,7 +207,7 @@ def _probe_tables(rows: list[dict]) -> list[str]:
                   + (f" No seed of any cell reached it at k = {', '.join(map(str, never))}." if never else ""), "",
                   "| cell | seeds | " + " | ".join(f"k={k}" for k in ever) + " |", "|---|---|" + "---:|" * len(ever)]
         for r in sorted(learned, key=lambda r: -r["probe"][top][0]):
-            steps = at[r["cell"], r["budget"]]
+            steps = _learned_at(r)
             cells = [" / ".join("—" if step is None else f"{step:,}" for step in steps[k]) if k in steps else ""
                      for k in ever]
             lines.append(f"| {cell_label(r)} | {', '.join(map(str, r['seeds']))} | " + " | ".join(cells) + " |")

@@ -13,6 +13,11 @@ PROBE_LEARNED_ACCURACY = 0.9
 a model that picks one of the prompt's chains' digits (1/chains; 0.5 with the probe's two chains)."""
 
 
+def probe_hops(keys) -> list[int]:
+    """The k values among depth-probe metric names (`probe_accuracy_kK`), sorted."""
+    return sorted(int(k.rsplit("_k", 1)[1]) for k in keys if k.startswith("probe_accuracy_k"))
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else float("nan"))
 
@@ -81,9 +86,10 @@ def _probe_learned_at(group: list[Run]) -> dict[int, list[int | None]]:
     if not evaluations or not all(r.probe_history for r in group):
         return {}
     keys = set.intersection(*evaluations)
-    hops = sorted(int(k.rsplit("_k", 1)[1]) for k in keys if k.startswith("probe_accuracy_k"))
-    return {k: [next((step for step, p in sorted(r.probe_history, key=lambda sp: sp[0])
-                      if p[f"probe_accuracy_k{k}"] >= PROBE_LEARNED_ACCURACY), None) for r in group]
+    hops = probe_hops(keys)
+    histories = [dict(r.probe_history) for r in group]  # as _probe_history: a step logged twice counts once
+    return {k: [next((step for step in sorted(h) if h[step][f"probe_accuracy_k{k}"] >= PROBE_LEARNED_ACCURACY),
+                     None) for h in histories]
             for k in hops}
 
 
