@@ -159,13 +159,29 @@ def test_grid_reports_a_stopped_run_as_stopped_not_finished(tmp_path):
     assert "cpu/dense seed 1 budget 1.0: stopped at step 3 of 6; the same command resumes it" in proc.stdout
     assert "grid: 0/1 runs finished, 1 stopped before train.iters (the same command resumes them)" in proc.stdout
 
+    # Resumed alone with `--threads 1`: the job keeps to one thread though every core is free now, leaving
+    # the rest to a grid started later.
+    grid[grid.index("--"):grid.index("--")] = ["--threads", "1"]
     proc = subprocess.run(grid, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "grid: 1/1 runs finished in" in proc.stdout
     jobs = read_jsonl(tmp_path / "logs/grid.jsonl")
-    assert [(j["outcome"], j["step"], j["iters"], j["returncode"]) for j in jobs] == [
-        ("stopped", 3, 6, 0), ("finished", 6, 6, 0)]
-    assert jobs[0]["threads"] == 1
+    assert [(j["outcome"], j["step"], j["iters"], j["returncode"], j["threads"]) for j in jobs] == [
+        ("stopped", 3, 6, 0, 1), ("finished", 6, 6, 0, 1)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["cpu/dense", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["cpu/dense", "--workers", "0"], "--workers must be >= 1, got 0"),
+    (["cpu/no_such_cell"], "no experiment recipe cpu/no_such_cell in ")])
+def test_grid_refuses_bad_arguments_in_one_line(argv, message, capsys):
+    from grt_megatron.launch import grid
+
+    with pytest.raises(SystemExit) as stop:
+        grid.parse_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"grt-grid: error: {message}") and "\n" not in err
 
 
 def start_other_training(folder: Path, threads: int | None) -> subprocess.Popen:

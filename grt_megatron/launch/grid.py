@@ -7,7 +7,9 @@ with `OMP_NUM_THREADS = cores / workers` (on a small CPU, two one-thread runs tr
 second in all than one two-thread run). The cores are those that other grt-train processes running here when
 the job starts (another grid's, say) leave free, and a grid started beside a training warns: two grids of
 `--workers 1` on 2 cores gave each run 2 threads, and each trained ~8× slower than in one grid of
-`--workers 2`. A job already running keeps its threads; the next one is sized anew. `resume=auto` makes the
+`--workers 2`. A job already running keeps its threads; the next one is sized anew. `--threads N` fixes each
+job's threads instead, for a grid that should leave cores to one started later (a lone `--workers 1` grid on a
+shared machine, say, that would otherwise take every core). `resume=auto` makes the
 grid restartable: a killed grid continues each cell from its last checkpoint, and a finished cell returns at once.
 Jobs are taken cell by cell, so the seeds of a cell finish together. Every job's configuration is composed
 before any starts (a recipe or override that does not compose is refused at once, in one line), and the
@@ -55,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--budgets", type=float, nargs="+", default=[1.0], help="token budgets (× the 1× budget)")
     parser.add_argument("--workers", type=int, default=1, help="runs at a time")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP threads per job (default: the free cores shared among --workers, read at each "
+                             "job's start)")
     parser.add_argument("--log-dir", type=Path, default=Path("runs/experiments/logs"),
                         help="one log per job, and grid.jsonl with each job's wall time and exit status")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -66,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         _fail(f"no experiment recipe {', '.join(missing)} in {RECIPES / 'experiment'}")
     if args.workers < 1:
         _fail(f"--workers must be >= 1, got {args.workers}")
+    if args.threads is not None and args.threads < 1:
+        _fail(f"--threads must be >= 1, got {args.threads}")
     return args
 
 
@@ -317,17 +324,20 @@ def run_grid(args: argparse.Namespace, signals: JobSignals) -> None:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     cores, others = usable_cores(), training_processes()
     busy = sum(t for _, t in others)
-    threads = threads_per_job(cores, busy, args.workers)
+    threads = args.threads or threads_per_job(cores, busy, args.workers)
 
     def threads_for_job() -> int:
-        return job_threads(cores, args.workers, own={os.getpid(), *signals.pids()})
+        return args.threads or job_threads(cores, args.workers, own={os.getpid(), *signals.pids()})
+    load = busy + threads * min(args.workers, len(jobs))
     if others:
         pids = ", ".join(str(pid) for pid, _ in others[:4]) + (" …" if len(others) > 4 else "")
-        load = busy + threads * min(args.workers, len(jobs))
         print(f"grt-grid: warning: {len(others)} grt-train process(es) already running here (pid {pids}) use "
               f"{busy} of {cores} cores; this grid's jobs get {threads} thread(s) each"
               + (f", {load} threads on {cores} cores: every run will be slower (run cells in one grid with "
                  f"--workers instead)" if load > cores else ""), file=sys.stderr)
+    elif load > cores:
+        print(f"grt-grid: warning: --threads {threads} × {min(args.workers, len(jobs))} job(s) at a time is "
+              f"{load} threads on {cores} cores: every run will be slower", file=sys.stderr)
 
     def steps_done() -> int:  # resumed jobs count the steps they had
         return sum(min(latest_step(run_dir / "metrics.jsonl"), iters) for run_dir, iters, _ in plans)
