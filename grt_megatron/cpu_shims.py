@@ -72,10 +72,28 @@ def _deepspeed_skip_shm_comm_build() -> None:
     ds_torch_comm.build_shm_op = lambda: None
 
 
+def _megatron_linear_autocast_on_cpu() -> None:
+    """megatron-core's tensor-parallel linear functions are `torch.autograd.Function`s whose forward and
+    backward carry `custom_fwd` / `custom_bwd` for the *CUDA* autocast: the backward re-enters the
+    autocast state the forward ran under, on CUDA only. Under CPU autocast (`train.precision=bf16-mixed`)
+    the forward casts to bf16 but the backward then runs without autocast and multiplies the bf16
+    gradient by the fp32 weight, which torch refuses. Re-decorated for the CPU's autocast, the backward
+    runs as it does on a GPU."""
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+
+    for function in (layers.LinearWithFrozenWeight, layers.LinearWithGradAccumulationAndAsyncCommunication):
+        forward, backward = inspect.unwrap(function.forward), inspect.unwrap(function.backward)
+        function.forward = staticmethod(torch.amp.custom_fwd(forward, device_type="cpu"))
+        function.backward = staticmethod(torch.amp.custom_bwd(backward, device_type="cpu"))
+
+
 SHIMS: dict[str, Callable[[], None]] = {
     "cuda_current_device_is_cpu": _cuda_current_device_is_cpu,
     "cpu_rng_tracker": _cpu_rng_tracker,
     "deepspeed_skip_shm_comm_build": _deepspeed_skip_shm_comm_build,
+    "megatron_linear_autocast_on_cpu": _megatron_linear_autocast_on_cpu,
 }
 
 

@@ -57,6 +57,8 @@ LAYOUTS = [
     ("rrt-1p", 1, ["model=tiny_rrt"]),
     # torch's fused AdamW under DeepSpeed's BF16 optimizer (its step count lives with the parameters)
     ("1p-bf16-fused-adam", 1, ["train.precision=bf16", "train.fused_adam=true"]),
+    # fp32 weights under autocast, the bare fused AdamW stepping them, clipped by the trainer
+    ("1p-bf16-mixed-fused-adam", 1, ["train.precision=bf16-mixed", "train.fused_adam=true"]),
 ]
 
 

@@ -66,3 +66,25 @@ def test_rotary_embedding_stays_on_cpu(world):
     # Megatron's layout: the first half and the second half repeat the same frequencies.
     freqs = torch.outer(torch.arange(8, dtype=torch.float32), rope.inv_freq)
     assert torch.allclose(emb[:, 0, 0, :8], freqs) and torch.allclose(emb[:, 0, 0, 8:], freqs)
+
+
+def test_megatron_linear_backward_runs_under_cpu_autocast(world):
+    """Under CPU autocast (train.precision=bf16-mixed) megatron-core's linear function computes in bf16 and
+    its backward gives fp32 gradients equal to those of torch's own linear under the same autocast."""
+    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+
+    apply_cpu_shims()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 2, 16, generator=gen, requires_grad=True)
+    w = torch.randn(32, 16, generator=gen, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_with_grad_accumulation_and_async_allreduce(x, w, None, gradient_accumulation_fusion=False,
+                                                                allreduce_dgrad=False, sequence_parallel=False)
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.linear(x2, w2).float().square().sum().backward()
+    assert x.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-2, atol=1e-2)

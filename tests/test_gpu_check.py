@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
 
@@ -231,3 +232,21 @@ def test_throughput_with_accumulation_counts_every_micro_batch_and_steps_once(wo
         assert all(math.isfinite(v) for v in row["losses"])
     per_token = [row["model_flops_per_s"] / row["tokens_per_s"] for row in rows.values()]
     assert per_token[0] == pytest.approx(per_token[1])  # the same model FLOPs a token, N times the tokens
+
+
+def test_throughput_of_bf16_mixed_runs_the_trainers_step(world):
+    """`--medium-precision bf16-mixed`: fp32 weights under autocast, clipped on the device and guarded as
+    grt-train's runner does; its first loss (same weights and batch) is fp32's within bf16 rounding."""
+    from tools.bench.gpu_mfu import measure_training_step
+
+    def measured(precision):
+        torch.manual_seed(0)  # the batch is drawn from the global generator
+        return measure_training_step("tiny", batch=2, seq=32, steps=2, warmup=1, precision=precision, vocab=256)
+
+    rows = {p: measured(p) for p in ("fp32", "bf16-mixed")}
+    mixed = rows["bf16-mixed"]
+    assert mixed["precision"] == "bf16-mixed" and mixed["optimizer_steps"] == 3
+    assert all(math.isfinite(v) for v in mixed["losses"])
+    assert mixed["losses"][0] == pytest.approx(rows["fp32"]["losses"][0], rel=1e-3)
+    assert mixed["losses"][0] != rows["fp32"]["losses"][0]  # bf16 matmuls ran
+    assert mixed["losses"][-1] < mixed["losses"][0]

@@ -26,7 +26,7 @@ def _strict(path):
 
 
 ENGINES = [("fp32", 0, "fp32"), ("fp32", 1, "fp32"), ("fp32", 2, "fp32"), ("fp32", 3, "fp32"),
-           ("bf16", 0, "fp32"), ("bf16", 0, "bf16"), ("bf16", 2, "fp32")]
+           ("bf16", 0, "fp32"), ("bf16", 0, "bf16"), ("bf16", 2, "fp32"), ("bf16-mixed", 0, "fp32")]
 
 
 @pytest.mark.parametrize("precision,zero_stage,accum", ENGINES, ids=[f"{p}-zero{z}-accum{a}" for p, z, a in ENGINES])
@@ -127,6 +127,18 @@ def test_injected_nan_step_is_skipped_and_the_run_goes_on(injected_reference):
     assert steps[3]["lr"] == steps[2]["lr"] > steps[1]["lr"]  # the schedule waits one step
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps if r is not steps[2])
     assert not any(r.get("skipped") for r in steps if r is not steps[2])
+
+
+def test_injected_nan_step_is_skipped_under_bf16_mixed(pydoc_prefix, tmp_path):
+    """The trainer's guard decides from the norm it measured (one read): the NaN step is skipped, the
+    schedule waits, the steps around it are finite."""
+    proc = run_cli([*_args(pydoc_prefix[0], 5, ["train.inject_nan_at=[3]", "train.precision=bf16-mixed"]),
+                    f"run.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [r for r in _strict(tmp_path / "metrics.jsonl") if "split" not in r]
+    assert [bool(r.get("skipped")) for r in steps] == [False, False, True, False, False]
+    assert steps[3]["lr"] == steps[2]["lr"] > steps[1]["lr"]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps if r is not steps[2])
 
 
 @pytest.mark.parametrize("procs,layout", LAYOUTS, ids=["-".join(a) for _, a in LAYOUTS])

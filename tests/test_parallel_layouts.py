@@ -35,6 +35,10 @@ def references(pydoc_prefix, tmp_path_factory):
 DOCUMENTS = "data.reset_attention_mask=true"
 REFERENCES = {name: [name] for name in ("tiny", "tiny_dense", "tiny_ouro", "tiny_rrt")}
 REFERENCES["tiny+documents"] = ["tiny", DOCUMENTS]
+REFERENCES["tiny+bf16-mixed"] = ["tiny", "train.precision=bf16-mixed"]
+# bf16 matmuls round where each layout's partial products meet (a TP all-reduce sums bf16 halves): the
+# same math within bf16's rounding, measured at ≤ 7e-5 (grad norm) and ≤ 1.1e-5 (loss) on these runs.
+TOLERANCE = {"tiny+bf16-mixed": 3e-4}
 
 
 PORT = iter(range(29610, 29700))
@@ -61,14 +65,19 @@ LAYOUTS = [
     ("tiny_rrt", 2, ["deepspeed.zero_stage=3", "model.checkpoint_recurrence=true"]),
     # Document masks: built from the tokens on every TP rank (SP: over the gathered sequence) and carried
     # between pipeline stages.
-    ("tiny+documents", 2, ["parallel.tp=2", "parallel.sp=true", DOCUMENTS]),
-    ("tiny+documents", 2, ["parallel.pp=2", "deepspeed.zero_stage=1", DOCUMENTS]),
+    ("tiny+documents", 2, ["parallel.tp=2", "parallel.sp=true"]),
+    ("tiny+documents", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
+    # fp32 weights under autocast: megatron's TP linears, ZeRO 3's gathered weights, a pipeline's stages.
+    ("tiny+bf16-mixed", 2, ["parallel.tp=2"]),
+    ("tiny+bf16-mixed", 2, ["deepspeed.zero_stage=3"]),
+    ("tiny+bf16-mixed", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
 ]
 
 
 @pytest.mark.parametrize("model,procs,layout", LAYOUTS, ids=[f"{m}-{n}p-" + "-".join(a) for m, n, a in LAYOUTS])
 def test_layout_matches_one_process(references, pydoc_prefix, tmp_path, model, procs, layout):
-    proc = run_cli([*_common(REFERENCES[model][0], pydoc_prefix[0]), *layout, f"run.dir={tmp_path}"],
+    proc = run_cli([*_common(REFERENCES[model][0], pydoc_prefix[0]), *REFERENCES[model][1:], *layout,
+                    f"run.dir={tmp_path}"],
                    launcher=[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
                              f"--master_port={next(PORT)}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -77,10 +86,11 @@ def test_layout_matches_one_process(references, pydoc_prefix, tmp_path, model, p
     assert len(got) == len(want) == STEPS + 1
     for g, w in zip(got, want):
         assert g["step"] == w["step"] and g.get("recurrences") == w.get("recurrences")
-        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), (g, w)
+        rel = TOLERANCE.get(model, 1e-5)
+        assert g["loss"] == pytest.approx(w["loss"], rel=rel), (g, w)
         if "grad_norm" in w:
             # The grad norm catches what a few losses would not, e.g. SP norm grads not summed over TP.
-            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (g, w)
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=rel), (g, w)
 
 
 @pytest.mark.parametrize("args,procs,needle", [

@@ -3,6 +3,7 @@
     python3 tools/gpu_check.py [--output tools/bench/results/gpu_check.json] [--work-dir DIR] [--cpu]
                                [--skip NAME ...] [--steps N] [--previous REPORT] [--budget SECONDS]
                                [--train-override KEY=VALUE ...] [--medium-accumulation N]
+                               [--medium-precision bf16|bf16-mixed]
 
 Run from the repository root; the package need not be installed (the repository is put on sys.path and the
 CLIs run as `python -m grt_megatron...`). With CUDA it checks the GPU in under 9 minutes; without it (or with
@@ -27,7 +28,8 @@ any check failed. What each check proves:
   hf_logits           the exported model's logits equal the framework's on the same tokens (fp32 within
                       1e-4, as tests/test_hf_export.py; bf16 within 2e-2 × max(1, largest logit) of the
                       framework in bf16).
-  medium_throughput   medium dense (24 layers) vs medium GRT (2+5×4+2), d 1024, seq 1024, bf16, through the
+  medium_throughput   medium dense (24 layers) vs medium GRT (2+5×4+2), d 1024, seq 1024, bf16 (or
+                      --medium-precision bf16-mixed: fp32 weights under autocast), through the
                       DeepSpeed engine: median step time, tokens/s, model FLOPs/s, MFU, peak memory, the
                       layer spec and fusions in effect (model/kernels.py: TE's layers where installed), and
                       the host stall (median step time minus the time some kernel ran, from one profiled
@@ -148,6 +150,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="micro-batches per step in the throughput checks (default 1): with N > 1 the "
                              "optimizer's per-step work is shared by N micro-batches, as in a run whose global "
                              "batch is larger than its micro-batch")
+    parser.add_argument("--medium-precision", default="bf16", choices=("bf16", "bf16-mixed"),
+                        help="train.precision of the throughput checks (default bf16: DeepSpeed's BF16 optimizer; "
+                             "bf16-mixed: fp32 weights, autocast, the trainer's clipping)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for all checks (default 540 on CUDA, 600 on CPU); a check that would start "
                              "after it fails as 'not run'")
@@ -166,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     clock = Clock(args.budget or TIME_BUDGET_S[mode.name])
     ctx = Context(mode=mode, work=work, clock=clock, env=child_env(mode.name == "cpu", work),
-                  medium_accumulation=args.medium_accumulation)
+                  medium_accumulation=args.medium_accumulation, medium_precision=args.medium_precision)
     ctx.results["medium_summary"] = {}
     ctx.results["train_overrides"] = [*TRAIN_OVERRIDES, *args.train_override]
     log(clock, f"{mode.name} mode, work dir {work}, report {args.output}")
@@ -178,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": mode.name, "wall_s": round(clock.elapsed(), 1),
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "complete": complete,
             "checks": checks, "skipped": list(args.skip), "train_overrides": args.train_override,
-            "medium_accumulation": args.medium_accumulation,
+            "medium_accumulation": args.medium_accumulation, "medium_precision": args.medium_precision,
             **{key: summary.get(key) for key in SUMMARY_KEYS},
             "medium": ctx.results.get("medium", {}), "medium_compiled": ctx.results.get("medium_compiled", {}),
         }

@@ -317,7 +317,8 @@ def measure_medium(ctx: Context, compiled: bool) -> tuple[bool, dict, str]:
             rows[model] = run_worker(ctx, "throughput", [
                 "--model", model, "--seq", str(m.medium_seq), "--batch", str(m.medium_batch), "--warmup",
                 str(m.medium_warmup), "--timed-steps", str(m.medium_steps), "--vocab", str(m.medium_vocab),
-                "--accumulation", str(ctx.medium_accumulation), *(["--compile"] if compiled else [])],
+                "--accumulation", str(ctx.medium_accumulation), "--precision", ctx.medium_precision,
+                *(["--compile"] if compiled else [])],
                 300 if compiled else 240)
         except CheckFailed as err:  # the other model is still measured
             errors[model] = str(err)

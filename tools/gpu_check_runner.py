@@ -117,6 +117,7 @@ class Context:
     results: dict[str, Any] = field(default_factory=dict)   # what later checks need from earlier ones
     workers_started: int = 0
     medium_accumulation: int = 1   # micro-batches per step of the throughput checks (--medium-accumulation)
+    medium_precision: str = "bf16"  # the throughput checks' train.precision (--medium-precision)
 
     def need(self, key: str, check: str) -> Any:
         if key not in self.results:

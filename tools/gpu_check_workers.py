@@ -135,7 +135,7 @@ def worker_throughput(args) -> dict:
     from tools.bench.gpu_mfu import measure_training_step
 
     init_distributed(seed=0)
-    row = measure_training_step(args.model, args.batch, args.seq, args.timed_steps, args.warmup, "bf16",
+    row = measure_training_step(args.model, args.batch, args.seq, args.timed_steps, args.warmup, args.precision,
                                 vocab=args.vocab, compile=args.compile, accumulation=args.accumulation)
     return {**row, "warmup_steps": args.warmup, "timed_steps": args.timed_steps,
             "losses_finite": all(math.isfinite(v) for v in row["losses"])}
@@ -152,6 +152,7 @@ def main(argv=None) -> int:
                        ("--seq", int), ("--batch", int), ("--warmup", int), ("--timed-steps", int), ("--vocab", int)):
         parser.add_argument(name, type=kind)
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "bf16-mixed"))
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args(argv)
     _quiet_imports()

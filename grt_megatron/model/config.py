@@ -243,8 +243,8 @@ class GRTConfig(TransformerConfig):
         activation = recipe.pop("activation", "gelu")
         if activation not in ACTIVATIONS:
             raise ConfigError(f"model.activation={activation!r} is not one of {', '.join(ACTIVATIONS)}")
-        if precision not in ("fp32", "bf16"):
-            raise ConfigError(f"train.precision={precision!r} is not one of fp32, bf16")
+        if precision not in ("fp32", "bf16", "bf16-mixed"):
+            raise ConfigError(f"train.precision={precision!r} is not one of fp32, bf16, bf16-mixed")
         kernel_recipe = {name: recipe.pop(name, "auto") for name in KERNEL_FIELDS}
         kwargs = dict(_PORTABLE_DEFAULTS)
         kwargs.update(recipe)
@@ -253,6 +253,7 @@ class GRTConfig(TransformerConfig):
                                       position_embedding=recipe.get("position_embedding", "learned"),
                                       hidden_dropout=recipe.get("hidden_dropout", 0.0)))
         kwargs["activation_func"] = ACTIVATIONS[activation]
+        # bf16-mixed keeps fp32 weights; autocast casts them in the forward (parallel/mixed_precision.py).
         kwargs["bf16"] = precision == "bf16"
         kwargs["params_dtype"] = torch.bfloat16 if precision == "bf16" else torch.float32
         try:

@@ -76,10 +76,11 @@ def engine_zero_stage(cfg: RunConfig) -> int:
 
 
 def clips_outside_deepspeed(cfg: RunConfig) -> bool:
-    """Whether the trainer clips (and measures) the gradient norm itself: with fp32 and no ZeRO, DeepSpeed
-    does not report the norm it computes; every other layout clips inside DeepSpeed's optimizer wrapper.
-    (Pipelines need ZeRO >= 1, checked with the layout.)"""
-    return cfg.deepspeed.zero_stage == 0 and cfg.train.precision == "fp32"
+    """Whether the trainer clips (and measures) the gradient norm itself: with fp32 weights (fp32,
+    bf16-mixed) and no ZeRO, DeepSpeed hands the bare optimizer the gradients and does not report the norm
+    it computes; every other layout clips inside DeepSpeed's optimizer wrapper. (Pipelines need ZeRO >= 1,
+    checked with the layout.)"""
+    return cfg.deepspeed.zero_stage == 0 and cfg.train.precision in ("fp32", "bf16-mixed")
 
 
 def deepspeed_config(cfg: RunConfig, dp_size: int, clip_in_deepspeed: bool = True) -> dict[str, Any]:

@@ -7,8 +7,9 @@ function takes a run's layout and returns what the training loop drives:
    `tensor_model_parallel_size` and `sequence_parallel`; the gradient reduction SP needs under DeepSpeed
    is added here (`sequence_parallel.py`);
 3. pipeline parallelism: this rank's stage, its units cut from the one model (`pipeline.py`);
-4. `train.compile`: the recurrence step and the other layers compiled in place (`compile.py`);
-5. data parallelism and ZeRO: the DeepSpeed engine (`deepspeed_engine.py`).
+4. `train.precision=bf16-mixed`: the forward under autocast (`mixed_precision.py`);
+5. `train.compile`: the recurrence step and the other layers compiled in place (`compile.py`);
+6. data parallelism and ZeRO: the DeepSpeed engine (`deepspeed_engine.py`).
 Recurrence checkpointing is a model setting (`model.checkpoint_recurrence`), not applied here: it
 recomputes one step of the recurrence loop, which exists only inside the block.
 """
@@ -20,9 +21,11 @@ from dataclasses import dataclass
 import deepspeed
 import torch.distributed as dist
 
+from grt_megatron.device import run_device
 from grt_megatron.model import GRTConfig, GRTLanguageModel
 from grt_megatron.parallel.compile import apply_compile
 from grt_megatron.parallel.deepspeed_engine import batch_layout, build_engine, clips_outside_deepspeed
+from grt_megatron.parallel.mixed_precision import apply_mixed_precision
 from grt_megatron.parallel.pipeline import GRTPipelineModule
 from grt_megatron.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
 from grt_megatron.training.config import RunConfig
@@ -54,6 +57,7 @@ def parallelize(model_config: GRTConfig, cfg: RunConfig) -> ParallelModel:
         model = GRTLanguageModel(model_config, init_seed=cfg.seed)
     if model_config.sequence_parallel:
         register_sequence_parallel_grad_hooks(model)
+    apply_mixed_precision(model, cfg.train.precision, run_device())
     if cfg.train.compile:
         apply_compile(model)
     clip_outside = clips_outside_deepspeed(cfg)

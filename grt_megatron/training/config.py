@@ -67,6 +67,9 @@ class TrainConfig:
     inject_nan_at: list[int] = field(default_factory=list)
     """Testing the skip policy: these steps' losses are made NaN before their backward."""
     precision: str = "bf16"
+    """fp32; bf16 (bf16 weights, fp32 master copies and gradient accumulation in DeepSpeed's BF16 optimizer);
+    bf16-mixed (fp32 weights and optimizer, the forward under torch.autocast(bfloat16); no master copy, no
+    gradient copies: parallel/mixed_precision.py)."""
     tf32: bool = True
     """On Ampere and later GPUs, fp32 matmuls use TF32 tensor cores (10-bit mantissa products, fp32
     accumulation; PyTorch's default is off). false: full fp32 (MFU is then against the fp32 peak)."""
@@ -287,7 +290,7 @@ class RunConfig:
 
 
 _CHOICES = {
-    "train.precision": ("fp32", "bf16"),
+    "train.precision": ("fp32", "bf16", "bf16-mixed"),
     "train.optimizer": ("torch", "deepspeed"),
     "deepspeed.grad_accum_dtype": ("fp32", "bf16"),
     "deepspeed.communication_data_type": ("fp32", "bf16"),

@@ -26,6 +26,8 @@ def peak_flops_per_device(precision: str, configured_tflops: Optional[float], tf
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
+    if precision == "bf16-mixed":
+        precision = "bf16"  # its matmuls run in bf16
     table = PEAK_TFLOPS["tf32" if precision == "fp32" and tf32 else precision]
     for key, tflops in table.items():
         if key in name:

@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from grt_megatron.device import device_tensor
+from grt_megatron.device import device_tensor, device_zeros
 
 
 class TrainingDiverged(Exception):
@@ -43,19 +43,59 @@ def _any_nonfinite(tensors: Iterable[torch.Tensor]) -> bool:
     return bool(flag.item())
 
 
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, tp_group=None,
+                   tp_rank: int = 0) -> torch.Tensor:
+    """The global L2 norm of the gradients (a 0-d fp32 tensor on their device), and with a finite
+    `max_norm` the gradients scaled by min(1, max_norm / (norm + 1e-6)), as DeepSpeed's and Megatron-LM's
+    clipping. Nothing waits for the device: the norm comes from one `_foreach_norm` (a few kernels on a
+    GPU, where a per-parameter loop launches one per parameter), the scale is applied whatever it is
+    (× 1 is exact) instead of being compared on the host. Under tensor parallelism the parameters that
+    are replicated over the TP group count once (TP rank 0's) and the sum of squares is all-reduced over
+    `tp_group`; data-parallel ranks hold the same reduced gradients, so they need no reduction."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    grads, counted = [], []
+    for p in parameters:
+        if p.grad is not None:
+            grads.append(p.grad)
+            if tp_rank == 0 or is_model_parallel_parameter(p):
+                counted.append(p.grad.detach())
+    if counted:
+        total = torch.stack([n.float() for n in torch._foreach_norm(counted)]).pow(2).sum()
+    else:
+        total = device_zeros(dtype=torch.float32).reshape(())
+    if tp_group is not None and dist.get_world_size(group=tp_group) > 1:
+        dist.all_reduce(total, group=tp_group)
+    norm = total.sqrt()
+    if grads and math.isfinite(max_norm):
+        # A tensor over a tensor: a Python float over one is computed as a reciprocal times it (other bits).
+        torch._foreach_mul_(grads, (torch.full_like(norm, max_norm) / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
 class NonFiniteStepGuard:
     """Makes a bare optimizer skip steps with non-finite gradients, the way DeepSpeed's wrappers do: its
     `step` is wrapped on the instance, and `overflow` is set so that DeepSpeed's engine counts the step
-    as skipped and does not advance the LR schedule."""
+    as skipped and does not advance the LR schedule.
+
+    The decision reads one flag from the device. When the trainer has measured the step's global grad
+    norm (`clip_grad_norm`, the same on every rank), `use_grad_norm` hands it over and the guard decides
+    from it (a norm is finite exactly when every gradient is, up to an overflow of the sum, which is
+    then skipped too); else it computes the flag itself, over every rank."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
+        self.grad_norm: Optional[torch.Tensor] = None
         optimizer.overflow = False
         inner = optimizer.step
 
         def step(closure=None):
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-            optimizer.overflow = _any_nonfinite(grads)
+            if self.grad_norm is not None:
+                optimizer.overflow = not bool(torch.isfinite(self.grad_norm))
+                self.grad_norm = None
+            else:
+                grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+                optimizer.overflow = _any_nonfinite(grads)
             if optimizer.overflow:
                 optimizer._opt_called = True  # what torch's LR scheduler checks to know step() was called
                 return None
@@ -64,6 +104,10 @@ class NonFiniteStepGuard:
         # torch's LR scheduler marks the step it wrapped; keep the mark so it does not warn of an override.
         step._wrapped_by_lr_sched = getattr(inner, "_wrapped_by_lr_sched", None)
         optimizer.step = step
+
+    def use_grad_norm(self, norm: torch.Tensor) -> None:
+        """The global gradient norm of the step about to be taken (read at its `step`, then forgotten)."""
+        self.grad_norm = norm
 
 
 def install_step_guard(engine) -> Optional[NonFiniteStepGuard]:

@@ -14,7 +14,6 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.utils import clip_grad_norm_
 from megatron.core import parallel_state
 
 from grt_megatron.data import DataError
@@ -23,10 +22,9 @@ from grt_megatron.distributed import DistributedInfo
 from grt_megatron.model import DepthDraw
 from grt_megatron.model.layers import document_ids_of
 from grt_megatron.model.diagnostics import recording_recurrence_stats
-from grt_megatron.parallel.deepspeed_engine import MegatronMPU
 from grt_megatron.parallel.parallelize import ParallelModel
 from grt_megatron.training.config import RunConfig
-from grt_megatron.training.step_guard import LossSpikeDetector
+from grt_megatron.training.step_guard import LossSpikeDetector, NonFiniteStepGuard, clip_grad_norm
 
 
 @dataclass
@@ -75,9 +73,11 @@ class PlainStepRunner(StepRunner):
     """One model replica per data-parallel rank (TP/SP inside the layers, ZeRO inside the engine)."""
 
     def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
-                 loss_mask=None, document_eos=None):
+                 loss_mask=None, document_eos=None, step_guard: Optional[NonFiniteStepGuard] = None):
         super().__init__(parallel, cfg, info, spikes, loss_mask, document_eos)
         self.clips_here = parallel.clips_outside_deepspeed
+        self.step_guard = step_guard
+        """The bare optimizer's skip guard (`install_step_guard`), handed the norm measured here."""
 
     def train_step(self, rows, seeds, draw, iteration, weights=None):
         total = device_zeros(dtype=torch.float32)
@@ -115,13 +115,21 @@ class PlainStepRunner(StepRunner):
                     loss = loss * torch.where(torch.isfinite(mean), 1.0, float("nan"))  # x · 1 = x exactly
             self.engine.backward(loss)
             if self.clips_here and self.engine.is_gradient_accumulation_boundary():
-                # max_norm inf measures the norm and leaves the gradients as they are (clipping off).
-                grad_norm = float(clip_grad_norm_(list(self.engine.module.parameters()),
-                                                  self.cfg.train.grad_clip or math.inf, mpu=MegatronMPU()))
+                # On the device, read by the guard's skip decision and with the loss below (max_norm inf:
+                # the norm is measured and the gradients left as they are, clipping off).
+                grad_norm = clip_grad_norm(self.engine.module.parameters(), self.cfg.train.grad_clip or math.inf,
+                                           parallel_state.get_tensor_model_parallel_group(),
+                                           parallel_state.get_tensor_model_parallel_rank())
+                if self.step_guard is not None:
+                    self.step_guard.use_grad_norm(grad_norm)
             self.engine.step()
-        if mean_loss is None:  # known now, after the step's work is queued
+        # Known now, after the step's work is queued. The host waits for the device once here: the norm,
+        # read right after the loss, is then ready (tests/test_numerics.py counts the waits).
+        if mean_loss is None:
             mean_loss = float(mean)
             reason = self.spikes.check(mean_loss)
+        if grad_norm is not None:
+            grad_norm = float(grad_norm)
         if injected:
             reason = "injected NaN (train.inject_nan_at)"
         return StepOutput(mean_loss, grad_norm, reason)
@@ -206,7 +214,8 @@ class PipelinedStepRunner(StepRunner):
 
 
 def build_step_runner(parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
-                      valid_samples: int, loss_mask=None, document_eos: Optional[int] = None) -> StepRunner:
+                      valid_samples: int, loss_mask=None, document_eos: Optional[int] = None,
+                      step_guard: Optional[NonFiniteStepGuard] = None) -> StepRunner:
     if parallel.pipelined:
         return PipelinedStepRunner(parallel, cfg, info, spikes, valid_samples, document_eos)
-    return PlainStepRunner(parallel, cfg, info, spikes, loss_mask, document_eos)
+    return PlainStepRunner(parallel, cfg, info, spikes, loss_mask, document_eos, step_guard)

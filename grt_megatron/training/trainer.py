@@ -171,7 +171,8 @@ class Trainer:
         self.sampler = DepthSampler.from_config(self.model_config, cfg.seed)
         self.runner = build_step_runner(self.parallel, cfg, info, self.spikes, len(self.data.valid_rows),
                                         self.data.loss_mask,
-                                        self.tokenizer.eos_id if cfg.data.reset_attention_mask else None)
+                                        self.tokenizer.eos_id if cfg.data.reset_attention_mask else None,
+                                        self.step_guard)
         self.start_step = self.last_saved = 0
         self.saver = AsyncSaver() if cfg.checkpoint.async_save else None
         if self.resume_path is not None:

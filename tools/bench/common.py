@@ -68,12 +68,13 @@ def deepspeed_engine(model, run):
     return build_engine(model, run, dp_size=1)
 
 
-def cpu_run_config(recipe: str, batch: int, width: int | None = None, seq: int = 128):
-    """(run config, model config) of recipe `recipe` in fp32 at the CPU benchmarks' vocabulary; `width`
-    scales the hidden size down (4 heads, `seq` tokens) so that the larger shapes run on a CPU in minutes."""
+def cpu_run_config(recipe: str, batch: int, width: int | None = None, seq: int = 128, precision: str = "fp32"):
+    """(run config, model config) of recipe `recipe` in `precision` at the CPU benchmarks' vocabulary;
+    `width` scales the hidden size down (4 heads, `seq` tokens) so that the larger shapes run on a CPU in
+    minutes."""
     scaled = [] if width is None else [f"model.hidden_size={width}", "model.num_attention_heads=4",
                                        f"model.max_sequence_length={seq}"]
-    run = run_config(recipe, batch, "fp32", *scaled)
+    run = run_config(recipe, batch, precision, *scaled)
     return run, run.model_config(CPU_VOCAB)
 
 

@@ -15,6 +15,7 @@ Writes tools/bench/results/gpu_mfu.json.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -24,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 
 from tools.bench.common import (  # noqa: E402
     argument_parser,
-    deepspeed_engine,
     parse_args,
     run_config,
     stamp,
@@ -113,6 +113,9 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
     `init_distributed` must have run."""
     from grt_megatron.model.kernels import FUSION_FIELDS
     from grt_megatron.parallel.compile import apply_compile, compiled_graphs
+    from grt_megatron.parallel.deepspeed_engine import build_engine, clips_outside_deepspeed
+    from grt_megatron.parallel.mixed_precision import apply_mixed_precision
+    from grt_megatron.training.step_guard import clip_grad_norm, install_step_guard
 
     device = run_device()
     cuda = device.type == "cuda"
@@ -123,9 +126,14 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     module = GRTLanguageModel(model_cfg, init_seed=0).to(device)
+    apply_mixed_precision(module, precision, device)  # bf16-mixed: the forward under autocast, as parallelize
     if compile:
         apply_compile(module)
-    engine = deepspeed_engine(module, run)
+    # As grt-train: with fp32 weights and no ZeRO (bf16-mixed) the step runner clips on the device and
+    # the guard decides the skip from that norm; else DeepSpeed's optimizer wrapper clips.
+    clips_here = clips_outside_deepspeed(run)
+    engine = build_engine(module, run, dp_size=1, clip_in_deepspeed=not clips_here)
+    guard = install_step_guard(engine) if clips_here else None
     tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     r = model_cfg.recurrences
@@ -143,8 +151,13 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
         for _ in range(accumulation):
             loss = timed("forward_s", forward)
             timed("backward_s", engine.backward, loss)
+            if clips_here and engine.is_gradient_accumulation_boundary():
+                timed("optimizer_s", clip, engine.module.parameters())
             timed("optimizer_s", engine.step)
         return loss
+
+    def clip(parameters):
+        guard.use_grad_norm(clip_grad_norm(parameters, run.train.grad_clip or math.inf))
 
     times = []
     first_step_s = None
@@ -195,7 +208,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "bf16-mixed", "fp32"))
     parser.add_argument("--checkpoint-recurrence", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile as train.compile=true")

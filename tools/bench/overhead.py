@@ -47,9 +47,9 @@ def plain_step(model, optimizer, x, y, grad_clip):
 def framework_runner(run, cfg, info):
     """grt-train's model, engine, non-finite guard and step runner for `run` (trainer.py builds the same)."""
     parallel = parallelize(cfg, run)
-    install_step_guard(parallel.engine)
+    guard = install_step_guard(parallel.engine)
     spikes = LossSpikeDetector(run.train.loss_spike_factor, run.train.loss_spike_window)
-    return parallel.engine, build_step_runner(parallel, run, info, spikes, valid_samples=0)
+    return parallel.engine, build_step_runner(parallel, run, info, spikes, valid_samples=0, step_guard=guard)
 
 
 def main() -> None:

@@ -1,0 +1,114 @@
+"""`train.precision=bf16-mixed` (fp32 weights and optimizer, the forward under autocast) against fp32 and
+DeepSpeed's bf16; the device-side gradient clipping; and how often a step makes the host wait for the
+device (counted on the CPU, parallel/mixed_precision.py and training/host_waits.py say why)."""
+
+import math
+
+import pytest
+import torch
+
+from grt_megatron.model import DepthDraw
+
+RECIPE = dict(hidden_size=64, num_attention_heads=4, max_sequence_length=32, prelude_layers=1, core_layers=1,
+              coda_layers=1, recurrences=3, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
+STEPS = 8
+
+
+def _runner(info, precision, **train):
+    """grt-train's model, engine, guard and step runner (trainer.py builds the same), one process."""
+    from grt_megatron.parallel.parallelize import parallelize
+    from grt_megatron.training.config import build_run_config
+    from grt_megatron.training.step_guard import LossSpikeDetector, install_step_guard
+    from grt_megatron.training.step_runner import build_step_runner
+
+    run = build_run_config({"model": RECIPE, "data": {"source": "unused"}, "seed": 3,
+                            "train": {"precision": precision, "micro_batch_size": 2, "global_batch_size": 4,
+                                      "grad_clip": 1.0, "warmup_iters": 2, "lr": 3e-3, **train}}, world_size=1)
+    parallel = parallelize(run.model_config(300), run)
+    guard = install_step_guard(parallel.engine)
+    runner = build_step_runner(parallel, run, info, LossSpikeDetector(None, 100), 0, step_guard=guard)
+    return parallel.engine, runner
+
+
+def _rows(step):
+    return torch.randint(0, 300, (4, 33), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _train(info, precision, steps=STEPS, **train):
+    engine, runner = _runner(info, precision, **train)
+    draw = DepthDraw(3, 3)
+    outs = [runner.train_step(_rows(step), [0, 1, 2, 3], draw, step) for step in range(steps)]
+    return engine, outs
+
+
+def test_bf16_mixed_trains_like_fp32_with_fp32_state_and_bf16_matmuls(world):
+    fp32_engine, fp32 = _train(world, "fp32")
+    engine, mixed = _train(world, "bf16-mixed")
+    # fp32 weights and gradients in the model, the bare optimizer stepping them: no master copy.
+    assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
+    assert engine.optimizer is engine.basic_optimizer
+    for a, b in zip(fp32, mixed):
+        assert b.skip_reason is None and math.isfinite(b.grad_norm)
+        assert b.loss == pytest.approx(a.loss, rel=1e-3) and b.grad_norm == pytest.approx(a.grad_norm, rel=2e-2)
+    # The same 8 steps moved the loss, and bf16 matmuls ran: not fp32's bits.
+    assert mixed[-1].loss < mixed[0].loss - 0.03
+    assert any(a.loss != b.loss for a, b in zip(fp32, mixed))
+    tokens = _rows(0)[:2, :-1]
+    with torch.no_grad():
+        logits = engine.module(tokens)
+    assert logits.dtype == torch.bfloat16  # the head ran under autocast; the fp32 run's is fp32
+    with torch.no_grad():
+        assert fp32_engine.module(tokens).dtype == torch.float32
+
+
+@pytest.mark.parametrize("max_norm", [math.inf, 1.0, 0.01])
+def test_clip_grad_norm_matches_deepspeeds_bit_for_bit(world, max_norm):
+    """The device-side clipping (one `_foreach_norm`, the scale applied without a host comparison) gives
+    DeepSpeed's `clip_grad_norm_` norm and clipped gradients to the bit (fp32)."""
+    import deepspeed
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    from grt_megatron.model import GRTConfig, GRTLanguageModel
+    from grt_megatron.parallel.deepspeed_engine import MegatronMPU
+    from grt_megatron.training.step_guard import clip_grad_norm
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    config = GRTConfig.from_recipe({**RECIPE, "vocab_size": 300})
+    ours, theirs = GRTLanguageModel(config, init_seed=1), GRTLanguageModel(config, init_seed=1)
+    tokens = _rows(0)
+    ours(tokens[:, :-1], tokens[:, 1:]).mean().mul(50).backward()  # a norm well above 1
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        q.grad = p.grad.clone()
+    norm = clip_grad_norm(ours.parameters(), max_norm)
+    want = clip_grad_norm_(list(theirs.parameters()), max_norm, mpu=MegatronMPU())
+    assert norm.item() > 1.0 and torch.equal(norm.reshape(1), want.reshape(1))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours.parameters(), theirs.parameters()))
+
+
+@pytest.mark.parametrize("precision,waits", [("fp32", 2), ("bf16-mixed", 2), ("bf16", 3)])
+def test_host_waits_for_the_device_per_step(world, precision, waits):
+    """A step of the trainer's runner reads device values where it must: with fp32 weights, the
+    guard's skip decision and the step's loss (its norm, read right after, waits for nothing); DeepSpeed's
+    BF16 optimizer also compares its norm on the host twice, and its loss read is the third."""
+    from grt_megatron.training.host_waits import HostWaitCounter, host_resident_tensors
+
+    engine, runner = _runner(world, precision)
+    draw = DepthDraw(3, 3)
+    runner.train_step(_rows(0), [0, 1, 2, 3], draw, 0)  # Adam's state exists from here
+    with HostWaitCounter(host_resident_tensors(engine.basic_optimizer)) as counter:
+        out = runner.train_step(_rows(1), [0, 1, 2, 3], draw, 1)
+    assert out.skip_reason is None
+    assert counter.waits == waits, (counter.waits, counter.reads)
+    assert counter.reads >= waits
+
+
+def test_host_wait_counter_counts_reads_after_work():
+    from grt_megatron.training.host_waits import HostWaitCounter
+
+    x = torch.ones(4)
+    with HostWaitCounter() as counter:
+        y = x * 2
+        float(y.sum())  # work, then a read: a wait
+        float(y[0])     # a view, then a read: no new work
+        float(y.sum())  # work again: a wait
+    assert (counter.reads, counter.waits) == (3, 2)
