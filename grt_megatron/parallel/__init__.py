@@ -6,6 +6,8 @@
 - `pipeline.py`: pipeline units cut from `GRTLanguageModel`, and their partition into stages.
 - `deepspeed_engine.py`: the DeepSpeed configuration (ZeRO, precision, clipping, optimizer, schedule).
 - `sequence_parallel.py`: the gradient reduction SP needs under DeepSpeed.
+- `compile.py`: `train.compile`, torch.compile applied per layer and to the recurrence step.
+- `mixed_precision.py`: `train.precision=bf16-mixed`, the forward under autocast over fp32 weights.
 
 Tensor parallelism itself lives in megatron-core's layers (column/row-parallel linears, the
 vocab-parallel embedding and loss), switched on by the model config's `tensor_model_parallel_size`.
