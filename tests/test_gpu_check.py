@@ -137,6 +137,12 @@ def test_train_overrides_reach_the_cli_runs(tmp_path):
     ctx.results.update(corpus="corpus", train_overrides=[*gpu_check_checks.TRAIN_OVERRIDES, "train.fused_adam=true"])
     args = gpu_check_checks.train_args(ctx, tmp_path / "run", "resume=auto")
     assert "train.fused_adam=true" in args and "train.deterministic=true" in args and args[-1] == "resume=auto"
+    assert [a for a in args if a.startswith("train.precision=")] == ["train.precision=bf16"]
+    # A precision override replaces bf16 (one value, not two), and the checks then expect it.
+    ctx.results["train_overrides"].append("train.precision=bf16-mixed")
+    args = gpu_check_checks.train_args(ctx, tmp_path / "run")
+    assert [a for a in args if a.startswith("train.precision=")] == ["train.precision=bf16-mixed"]
+    assert gpu_check_checks.train_precision(ctx) == "bf16-mixed"
 
 
 def test_a_refused_deterministic_mode_is_recorded_and_the_run_repeated_without_it(tmp_path, monkeypatch):

@@ -132,13 +132,21 @@ def determinism_note(ctx: Context) -> str:
     return "CUBLAS_WORKSPACE_CONFIG=:4096:8 only: deterministic kernels were refused by an op"
 
 
+def train_precision(ctx: Context) -> str:
+    """The CLI runs' precision: bf16, or what a `--train-override train.precision=...` asks for (e.g.
+    bf16-mixed, to run it through training and the kill/resume on the device)."""
+    asked = [o.split("=", 1)[1] for o in train_overrides(ctx) if o.startswith("train.precision=")]
+    return asked[-1] if asked else "bf16"
+
+
 def train_args(ctx: Context, run_dir: Path, *extra: str) -> list[str]:
     m = ctx.mode
-    return cli("grt_megatron.training.cli", "model=tiny", "train=cpu", "train.precision=bf16",
+    overrides = [o for o in train_overrides(ctx) if not o.startswith("train.precision=")]
+    return cli("grt_megatron.training.cli", "model=tiny", "train=cpu", f"train.precision={train_precision(ctx)}",
                f"data={ctx.need('corpus', 'prepare_data')}", f"train.iters={m.train_iters}",
                f"train.global_batch_size={m.train_batch}", f"train.micro_batch_size={m.train_batch}",
                f"train.seq_length={m.train_seq}", f"train.eval_interval={m.eval_interval}", "train.eval_iters=2",
-               f"checkpoint.interval={m.checkpoint_interval}", *train_overrides(ctx), "logging.wandb=disabled",
+               f"checkpoint.interval={m.checkpoint_interval}", *overrides, "logging.wandb=disabled",
                "logging.progress=false", f"run.dir={run_dir}", *extra)
 
 
@@ -194,8 +202,8 @@ def check_train_bf16(ctx: Context) -> tuple[bool, dict, str]:
         problems.append("the training loss did not go down")
     if not final.is_dir():
         problems.append(f"no final checkpoint {final.name}")
-    if precision != "bf16":
-        problems.append(f"run_info says precision {precision}")
+    if precision != train_precision(ctx):
+        problems.append(f"run_info says precision {precision}, not {train_precision(ctx)}")
     if not problems:
         ctx.results.update(reference=losses, reference_dir=run_dir, final_checkpoint=final, records=records)
     detail = {"run_dir": str(run_dir), "steps": iters, "seconds": seconds, "precision": precision,
