@@ -85,11 +85,11 @@ def test_clip_grad_norm_matches_deepspeeds_bit_for_bit(world, max_norm):
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours.parameters(), theirs.parameters()))
 
 
-@pytest.mark.parametrize("precision,waits", [("fp32", 2), ("bf16-mixed", 2), ("bf16", 3)])
+@pytest.mark.parametrize("precision,waits", [("fp32", 1), ("bf16-mixed", 1), ("bf16", 3)])
 def test_host_waits_for_the_device_per_step(world, precision, waits):
-    """A step of the trainer's runner reads device values where it must: with fp32 weights, the
-    guard's skip decision and the step's loss (its norm, read right after, waits for nothing); DeepSpeed's
-    BF16 optimizer also compares its norm on the host twice, and its loss read is the third."""
+    """A step of the trainer's runner reads device values where it must, and before the optimizer step is
+    queued. With fp32 weights: once, the gradient norm (the skip decision; the loss, read right after,
+    waits for nothing). DeepSpeed's BF16 optimizer compares its own norm on the host twice more."""
     from grt_megatron.training.host_waits import HostWaitCounter, host_resident_tensors
 
     engine, runner = _runner(world, precision)

@@ -78,20 +78,20 @@ class NonFiniteStepGuard:
     `step` is wrapped on the instance, and `overflow` is set so that DeepSpeed's engine counts the step
     as skipped and does not advance the LR schedule.
 
-    The decision reads one flag from the device. When the trainer has measured the step's global grad
-    norm (`clip_grad_norm`, the same on every rank), `use_grad_norm` hands it over and the guard decides
-    from it (a norm is finite exactly when every gradient is, up to an overflow of the sum, which is
-    then skipped too); else it computes the flag itself, over every rank."""
+    When the trainer has measured and read the step's global grad norm (`clip_grad_norm`, the same on
+    every rank), `use_grad_norm` hands it over and the guard decides from it with no read of its own (a
+    norm is finite exactly when every gradient is, up to an overflow of the sum, which is then skipped
+    too); else it computes the flag itself, over every rank, and reads it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
-        self.grad_norm: Optional[torch.Tensor] = None
+        self.grad_norm: Optional[float] = None
         optimizer.overflow = False
         inner = optimizer.step
 
         def step(closure=None):
             if self.grad_norm is not None:
-                optimizer.overflow = not bool(torch.isfinite(self.grad_norm))
+                optimizer.overflow = not math.isfinite(self.grad_norm)
                 self.grad_norm = None
             else:
                 grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
@@ -105,8 +105,9 @@ class NonFiniteStepGuard:
         step._wrapped_by_lr_sched = getattr(inner, "_wrapped_by_lr_sched", None)
         optimizer.step = step
 
-    def use_grad_norm(self, norm: torch.Tensor) -> None:
-        """The global gradient norm of the step about to be taken (read at its `step`, then forgotten)."""
+    def use_grad_norm(self, norm: float) -> None:
+        """The global gradient norm of the step about to be taken, read by the trainer (used at this
+        `step`, then forgotten)."""
         self.grad_norm = norm
 
 

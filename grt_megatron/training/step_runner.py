@@ -114,22 +114,23 @@ class PlainStepRunner(StepRunner):
                 elif mean_loss is None:
                     loss = loss * torch.where(torch.isfinite(mean), 1.0, float("nan"))  # x · 1 = x exactly
             self.engine.backward(loss)
-            if self.clips_here and self.engine.is_gradient_accumulation_boundary():
-                # On the device, read by the guard's skip decision and with the loss below (max_norm inf:
-                # the norm is measured and the gradients left as they are, clipping off).
-                grad_norm = clip_grad_norm(self.engine.module.parameters(), self.cfg.train.grad_clip or math.inf,
-                                           parallel_state.get_tensor_model_parallel_group(),
-                                           parallel_state.get_tensor_model_parallel_rank())
-                if self.step_guard is not None:
-                    self.step_guard.use_grad_norm(grad_norm)
+            if self.engine.is_gradient_accumulation_boundary():
+                # The host reads the step's numbers here, before the optimizer step is queued: the optimizer
+                # then runs on the device while the host prepares the next step (read after it, the host
+                # would wait for the whole step and the device would idle through that preparation).
+                if self.clips_here:
+                    # Measured and applied on the device (max_norm inf: measured, the gradients left as
+                    # they are); its one read is the skip decision's, handed to the guard.
+                    grad_norm = float(clip_grad_norm(self.engine.module.parameters(),
+                                                     self.cfg.train.grad_clip or math.inf,
+                                                     parallel_state.get_tensor_model_parallel_group(),
+                                                     parallel_state.get_tensor_model_parallel_rank()))
+                    if self.step_guard is not None:
+                        self.step_guard.use_grad_norm(grad_norm)
+                if mean_loss is None:  # ready with the norm: no second wait (tests/test_mixed_precision.py)
+                    mean_loss = float(mean)
+                    reason = self.spikes.check(mean_loss)
             self.engine.step()
-        # Known now, after the step's work is queued. The host waits for the device once here: the norm,
-        # read right after the loss, is then ready (tests/test_numerics.py counts the waits).
-        if mean_loss is None:
-            mean_loss = float(mean)
-            reason = self.spikes.check(mean_loss)
-        if grad_norm is not None:
-            grad_norm = float(grad_norm)
         if injected:
             reason = "injected NaN (train.inject_nan_at)"
         return StepOutput(mean_loss, grad_norm, reason)

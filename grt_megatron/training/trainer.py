@@ -278,12 +278,16 @@ class Trainer:
         record.update(outcome)
         if cfg.train.compile:
             record["compiled_graphs"] = compiled_graphs()
+        logged = step % cfg.train.log_interval == 0 or step == cfg.train.iters or "skipped" in record
+        if logged and torch.is_tensor(record["grad_norm"]):
+            # DeepSpeed's wrappers leave their norm on the device: read only for a record that is written.
+            record["grad_norm"] = float(record["grad_norm"])
         if "skipped" in record:
             record["skipped_steps"] = self.skipped_total
             if self.info.is_main:
                 progress.write(f"step {step}: optimizer step skipped ({record['skip_reason']}; loss {out.loss}, "
                                f"grad norm {record['grad_norm']}); {self.skipped_in_a_row} in a row")
-        if step % cfg.train.log_interval == 0 or step == cfg.train.iters or "skipped" in record:
+        if logged:
             self.logger.log(record)
         postfix = {"loss": f"{out.loss:.3f}", "R": draw.recurrences, "tok/s": f"{record['tokens_per_s']:.0f}"}
         if "mfu" in record:
@@ -294,7 +298,7 @@ class Trainer:
     def _step_outcome(self, out: StepOutput) -> dict:
         """Grad norm and whether (and why) the optimizer step was skipped; counts skips."""
         grad_norm = self.engine.get_global_grad_norm() if out.grad_norm is None else out.grad_norm
-        result = {"grad_norm": None if grad_norm is None else float(grad_norm)}
+        result = {"grad_norm": grad_norm if grad_norm is None or torch.is_tensor(grad_norm) else float(grad_norm)}
         skipped = not self.engine.was_step_applied()
         if out.skip_reason == "loss spike":
             result["loss_spike"] = True

@@ -157,7 +157,7 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
         return loss
 
     def clip(parameters):
-        guard.use_grad_norm(clip_grad_norm(parameters, run.train.grad_clip or math.inf))
+        guard.use_grad_norm(float(clip_grad_norm(parameters, run.train.grad_clip or math.inf)))
 
     times = []
     first_step_s = None
