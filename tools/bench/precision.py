@@ -7,8 +7,9 @@ the step runner, the non-finite guard, clipping at 1.0), one process, DeepSpeed 
 
 Per precision: the median step time; the host waits of one step (reads of a device value with device work
 queued before them: what drains a GPU's queue, counted on the CPU by `HostWaitCounter`); the bytes per
-parameter of every live tensor after a step (weights, gradients, master copies, buffers, Adam moments:
-counted from the tensors themselves); and the loss after the timed steps against fp32's. The steps
+parameter that each engine keeps between steps (weights, master copies, gradient buffers, Adam moments:
+what the live tensors' bytes grew by when it was built and took a first step, each shape in a process of
+its own); and the loss after the timed steps against fp32's. The steps
 interleave the precisions, so that the machine's drift is shared. On the CPU the times are not a GPU's (bf16
 matmuls run on AVX-512 BF16 here); the waits and the bytes are the same on a GPU. Writes
 tools/bench/results/precision.json.
@@ -16,8 +17,11 @@ tools/bench/results/precision.json.
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,63 +57,77 @@ def live_tensor_bytes() -> int:
     return total
 
 
+def measure_shape(shape: str, args, info) -> dict:
+    """The three precisions at `shape`, in this process (which has built no other engine: the bytes an
+    engine keeps are what the process gained by building it and taking a first step)."""
+    recipe, width = common.CPU_SHAPES[shape]
+    runners, state_bytes, waits, losses, times = {}, {}, {}, {}, {p: [] for p in PRECISIONS}
+    parameters = None
+    for precision in PRECISIONS:
+        run, cfg = common.cpu_run_config(recipe, args.batch, width, precision=precision)
+        if parameters is None:  # the batch, made once
+            seq = cfg.max_sequence_length
+            x, y = common.random_batch(args.batch, seq)
+            rows = torch.cat([x, y[:, -1:]], dim=1)
+            seeds, draw = list(range(args.batch)), DepthDraw(cfg.recurrences, cfg.recurrences)
+        before = live_tensor_bytes()
+        torch.manual_seed(0)
+        runners[precision] = framework_runner(run, cfg, info)[1]
+        runners[precision].train_step(rows, seeds, draw, 0)  # Adam's moments exist after a first step
+        # What the engine keeps between steps (weights, master copies, gradient buffers, moments; the
+        # step's activations are freed by now).
+        grown = live_tensor_bytes() - before
+        parameters = parameters or sum(p.numel() for p in runners[precision].engine.module.parameters())
+        state_bytes[precision] = grown / parameters
+    for step in range(1, args.warmup + args.steps):
+        for precision in PRECISIONS[step % 3:] + PRECISIONS[:step % 3]:
+            start = time.perf_counter()
+            losses[precision] = runners[precision].train_step(rows, seeds, draw, step).loss
+            if step >= args.warmup:
+                times[precision].append(time.perf_counter() - start)
+    for precision in PRECISIONS:
+        with HostWaitCounter(host_resident_tensors(runners[precision].engine.basic_optimizer)) as counter:
+            runners[precision].train_step(rows, seeds, draw, args.warmup + args.steps)
+        waits[precision] = {"host_waits": counter.waits, "host_reads": counter.reads}
+    medians = {p: statistics.median(v) for p, v in times.items()}
+    cfg = runners["fp32"].engine.module.config
+    return {"shape": shape, "model": cfg.shape_name, "hidden_size": cfg.hidden_size, "batch": args.batch,
+            "seq_length": seq, "parameters": parameters, "steps": args.steps, "median_step_s": medians,
+            **{f"host_waits_per_step_{p.replace('-', '_')}": waits[p]["host_waits"] for p in PRECISIONS},
+            "host_reads_per_step": {p: waits[p]["host_reads"] for p in PRECISIONS},
+            "state_bytes_per_parameter": state_bytes,
+            "loss_after_steps": losses,
+            "bf16_mixed_over_bf16_step_time": medians["bf16-mixed"] / medians["bf16"],
+            "bf16_mixed_over_fp32_step_time": medians["bf16-mixed"] / medians["fp32"],
+            "bf16_mixed_loss_relative_to_fp32": losses["bf16-mixed"] / losses["fp32"] - 1,
+            "bf16_loss_relative_to_fp32": losses["bf16"] / losses["fp32"] - 1}
+
+
 def main() -> None:
     parser = common.argument_parser(__doc__)
     common.add_step_arguments(parser)
+    parser.add_argument("--one-shape", action="store_true", help=argparse.SUPPRESS)
     args = common.parse_args(parser, "precision")
-    info = init_distributed(seed=0)
-
+    shapes = args.shapes.split(",")
+    if args.one_shape:  # a child: one shape, its row as JSON on the last line of stdout
+        row = measure_shape(shapes[0], args, init_distributed(seed=0))
+        print(json.dumps(row))
+        return
     results = []
-    for shape in args.shapes.split(","):
-        recipe, width = common.CPU_SHAPES[shape]
-        runners, state_bytes, waits, losses = {}, {}, {}, {}
-        for precision in PRECISIONS:
-            run, cfg = common.cpu_run_config(recipe, args.batch, width, precision=precision)
-            if not runners:  # the batch, made once
-                seq = cfg.max_sequence_length
-                x, y = common.random_batch(args.batch, seq)
-                rows = torch.cat([x, y[:, -1:]], dim=1)
-                seeds, draw = list(range(args.batch)), DepthDraw(cfg.recurrences, cfg.recurrences)
-                parameters = None
-            before = live_tensor_bytes()
-            torch.manual_seed(0)
-            _, runner = framework_runner(run, cfg, info)
-            runner.train_step(rows, seeds, draw, 0)  # Adam's moments exist after a first step
-            # What the engine keeps between steps (the step's activations are freed by now).
-            grown = live_tensor_bytes() - before
-            parameters = parameters or sum(p.numel() for p in runner.engine.module.parameters())
-            runners[precision], state_bytes[precision] = runner, grown / parameters
-        times = {p: [] for p in PRECISIONS}
-        for step in range(1, args.warmup + args.steps):
-            for precision in PRECISIONS[step % 3:] + PRECISIONS[:step % 3]:
-                start = time.perf_counter()
-                out = runners[precision].train_step(rows, seeds, draw, step)
-                if step >= args.warmup:
-                    times[precision].append(time.perf_counter() - start)
-                losses[precision] = out.loss
-        for precision in PRECISIONS:
-            with HostWaitCounter(host_resident_tensors(runners[precision].engine.basic_optimizer)) as counter:
-                runners[precision].train_step(rows, seeds, draw, args.warmup + args.steps)
-            waits[precision] = {"host_waits": counter.waits, "host_reads": counter.reads}
-        medians = {p: statistics.median(v) for p, v in times.items()}
-        cfg = runners["fp32"].engine.module.config
-        row = {"shape": shape, "model": cfg.shape_name, "hidden_size": cfg.hidden_size, "batch": args.batch,
-               "seq_length": seq, "parameters": parameters, "median_step_s": medians, **{
-                   f"host_waits_per_step_{p.replace('-', '_')}": waits[p]["host_waits"] for p in PRECISIONS},
-               "host_reads_per_step": {p: waits[p]["host_reads"] for p in PRECISIONS},
-               "state_bytes_per_parameter": state_bytes,
-               "loss_after_steps": losses,
-               "bf16_mixed_over_bf16_step_time": medians["bf16-mixed"] / medians["bf16"],
-               "bf16_mixed_over_fp32_step_time": medians["bf16-mixed"] / medians["fp32"],
-               "bf16_mixed_loss_relative_to_fp32": losses["bf16-mixed"] / losses["fp32"] - 1,
-               "bf16_loss_relative_to_fp32": losses["bf16"] / losses["fp32"] - 1}
+    for shape in shapes:  # each in its own process: no engine of another shape alive, or being freed
+        child = subprocess.run([sys.executable, __file__, "--one-shape", "--shapes", shape, "--steps",
+                                str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)],
+                               capture_output=True, text=True)
+        if child.returncode != 0:
+            sys.exit(f"precision.py: shape {shape} failed:\n{child.stderr[-3000:]}")
+        row = json.loads(child.stdout.strip().splitlines()[-1])
         results.append(row)
-        print(f"\n{shape} ({cfg.shape_name}, d {cfg.hidden_size}, {parameters:,} parameters): batch {args.batch} × "
-              f"{seq}, median of {args.steps} steps (CPU)")
+        print(f"\n{shape} ({row['model']}, d {row['hidden_size']}, {row['parameters']:,} parameters): batch "
+              f"{row['batch']} × {row['seq_length']}, median of {row['steps']} steps (CPU)")
         for p in PRECISIONS:
-            print(f"  {p:<11}{1e3 * medians[p]:>9.1f} ms  host waits {waits[p]['host_waits']:>2} "
-                  f"(reads {waits[p]['host_reads']:>2})  {state_bytes[p]:5.1f} B/parameter  "
-                  f"loss {losses[p]:.5f}")
+            print(f"  {p:<11}{1e3 * row['median_step_s'][p]:>9.1f} ms  host waits "
+                  f"{row['host_waits_per_step_' + p.replace('-', '_')]:>2} (reads {row['host_reads_per_step'][p]:>2})  "
+                  f"{row['state_bytes_per_parameter'][p]:5.1f} B/parameter  loss {row['loss_after_steps'][p]:.5f}")
     out = common.write_result(args.output, {**common.stamp("precision", with_torch=True), "results": results})
     print(f"\nwrote {out}")
 
