@@ -58,3 +58,31 @@ def test_no_fp32_copy_of_the_whole_logits(world):
     bf16_bytes = s * b * v * 2
     assert peaks["chunked"] <= 2 * bf16_bytes + 3 * rows * v * 4 + 64 * s * b, peaks
     assert peaks["megatron"] >= 4 * bf16_bytes, peaks  # logits, their fp32 copy (2x), the bf16 gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_chunks_equal_the_eager_loss(world, dtype):
+    """`fused=True` (train.compile): each chunk's sums and gradient compiled. The losses equal megatron's
+    within fp32 rounding (inductor's exp rounds its own way), the gradients within one unit of the
+    logits' dtype, over full chunks and a shorter last one. (Their memory is not measured here: under a
+    dispatch mode such as LiveBytes, compiled code runs op by op. Inductor makes each chunk expression
+    one kernel, its outputs the only buffers: the sums of each row, and the chunk's gradient.)"""
+    s, b, v, rows = 16, 3, 300, 20  # 48 rows: chunks of 20, 20 and 8
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(s, b, v, generator=g) * 3).to(dtype)
+    target = torch.randint(0, v, (s, b), generator=g)
+    weights = torch.rand(s, b, generator=g)
+    want, ref_leaf = _reference(logits, target)
+    (want * weights).sum().backward()
+    def fused(leaf):
+        got = chunked_vocab_parallel_cross_entropy(leaf, target, chunk_bytes=4 * v * rows, fused=True)
+        (got * weights).sum().backward()
+        return got
+
+    leaf = logits.detach().clone().requires_grad_()
+    got = fused(leaf)
+    assert got.dtype == torch.float32 and leaf.grad.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    unit = 1e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(leaf.grad.float(), ref_leaf.grad.float(), rtol=unit, atol=1e-7)
+    assert torch.equal(leaf, logits)

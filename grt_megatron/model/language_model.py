@@ -68,10 +68,10 @@ def build_output_layer(config: GRTConfig, init_seed: int, tied: bool) -> ColumnL
         )
 
 
-def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """logits [s, b, V/TP] (the model's dtype: never cast to fp32 whole, see loss.py), labels [b, s] ->
-    per-token loss [b, s] (fp32)."""
-    loss = chunked_vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
+    per-token loss [b, s] (fp32). `fused`: the chunks' arithmetic compiled (`train.compile`)."""
+    loss = chunked_vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), fused=fused)
     return loss.transpose(0, 1).contiguous()
 
 
@@ -86,6 +86,8 @@ class GRTLanguageModel(MegatronModule):
         is this model built with one part (parallel/pipeline.py), so it holds exactly these weights."""
         super().__init__(config=config)
         self.config: GRTConfig = config
+        self.fused_loss = False
+        """The loss chunks' arithmetic compiled: set by `train.compile` (parallel/compile.py)."""
         unknown = set(parts) - set(PARTS)
         if unknown:
             raise ValueError(f"unknown model parts {sorted(unknown)}; known: {PARTS}")
@@ -148,7 +150,7 @@ class GRTLanguageModel(MegatronModule):
                             noise_seeds=noise_seeds)
         logits = self.logits(self.final_norm(hidden))
         if labels is not None:
-            loss = vocab_parallel_loss(logits, labels)
+            loss = vocab_parallel_loss(logits, labels, self.fused_loss)
             aux = self.block.aux_loss
             if self.training and aux is not None:
                 # MoR's router loss, spread over the tokens so that the mean loss carries it once.
@@ -195,7 +197,7 @@ class GRTLanguageModel(MegatronModule):
         return self._gathered(logits.gather(0, index).squeeze(0))
 
     def _step_loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_loss(self.logits(normed), labels)
+        return vocab_parallel_loss(self.logits(normed), labels, self.fused_loss)
 
     def _gathered(self, logits: torch.Tensor) -> torch.Tensor:
         """[s, b, V/TP] -> [b, s, vocab]: TP-gathered, padding cut."""

@@ -32,9 +32,47 @@ def _fp32_copy(chunk: torch.Tensor) -> torch.Tensor:
     return chunk.to(torch.float32, copy=True)
 
 
+def _chunk_sums(chunk: torch.Tensor, row_max: torch.Tensor, local_target: torch.Tensor):
+    """(Σ exp(x − max), x[target] − max) of each row of `chunk`, as one expression: compiled
+    (`fused=True`), inductor reads the logits once and never writes the fp32 rows."""
+    shifted = chunk.float() - row_max.unsqueeze(-1)
+    return shifted.exp().sum(dim=-1), shifted.gather(1, local_target.unsqueeze(-1)).squeeze(-1)
+
+
+def _chunk_grad(chunk: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor, local_target: torch.Tensor,
+                hit: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """(softmax − one-hot) × the incoming gradient, in the logits' dtype: one pass over the chunk compiled.
+    Off the target p − 0 is p exactly, so eager it gives the in-place form's bits."""
+    softmax = (chunk.float() - row_max.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1)
+    columns = torch.arange(chunk.shape[-1], device=chunk.device)
+    one_hot = (columns == local_target.unsqueeze(-1)).float() * hit.unsqueeze(-1)
+    return ((softmax - one_hot) * grad_loss.unsqueeze(-1)).to(chunk.dtype)
+
+
+def _chunk_sums_in_place(chunk: torch.Tensor, row_max: torch.Tensor, local_target: torch.Tensor):
+    """`_chunk_sums` in eager, with one fp32 workspace worked on in place (megatron's arithmetic, bit for bit)."""
+    shifted = _fp32_copy(chunk)
+    shifted -= row_max.unsqueeze(-1)
+    target_logit = shifted[torch.arange(len(shifted), device=shifted.device), local_target]
+    torch.exp(shifted, out=shifted)
+    return shifted.sum(dim=-1), target_logit
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _fused_kernels():
+    """The two chunk expressions compiled once per process (shape-specialised: a full chunk and the last,
+    shorter one are two graphs each)."""
+    if not _COMPILED:
+        _COMPILED["sums"] = torch.compile(_chunk_sums, dynamic=False)
+        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=False)
+    return _COMPILED["sums"], _COMPILED["grad"]
+
+
 class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, rows: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, rows: int, fused: bool = False) -> torch.Tensor:
         group = parallel_state.get_tensor_model_parallel_group()
         partition = logits.shape[-1]
         start, end = _vocab_range(partition)
@@ -48,18 +86,14 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             row_max[i : i + rows] = flat[i : i + rows].max(dim=-1)[0].float()  # exact: max commutes with the cast
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         target_logit, sum_exp = torch.empty_like(row_max), torch.empty_like(row_max)
+        chunk_sums = _fused_kernels()[0] if fused else _chunk_sums_in_place
         for i in range(0, n, rows):
-            shifted = _fp32_copy(flat[i : i + rows])
-            shifted -= row_max[i : i + rows].unsqueeze(-1)
-            target_logit[i : i + rows] = shifted[torch.arange(len(shifted), device=shifted.device),
-                                                 local_target[i : i + rows]]
-            torch.exp(shifted, out=shifted)
-            sum_exp[i : i + rows] = shifted.sum(dim=-1)
-            del shifted  # before the next chunk's copy exists: one fp32 chunk at a time
+            sum_exp[i : i + rows], target_logit[i : i + rows] = chunk_sums(
+                flat[i : i + rows], row_max[i : i + rows], local_target[i : i + rows])
         target_logit[outside] = 0.0
         dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
-        ctx.rows = rows
+        ctx.rows, ctx.fused = rows, fused
         ctx.save_for_backward(logits, row_max, sum_exp, outside, local_target)
         return (torch.log(sum_exp) - target_logit).view_as(target)
 
@@ -71,6 +105,13 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         hit = 1.0 - outside.float()  # the one-hot's 1 sits on this rank's slice only where the target is here
         grad = torch.empty_like(logits)  # not a view: autograd can then take it as the leaf's .grad
         flat_grad = grad.view(-1, partition)
+        if ctx.fused:
+            kernel = _fused_kernels()[1]
+            for i in range(0, flat.shape[0], rows):
+                flat_grad[i : i + rows] = kernel(flat[i : i + rows], row_max[i : i + rows], sum_exp[i : i + rows],
+                                                 local_target[i : i + rows], hit[i : i + rows],
+                                                 flat_grad_loss[i : i + rows])
+            return grad, None, None, None
         for i in range(0, flat.shape[0], rows):
             softmax = _fp32_copy(flat[i : i + rows])
             softmax -= row_max[i : i + rows].unsqueeze(-1)
@@ -80,12 +121,17 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             softmax.mul_(flat_grad_loss[i : i + rows].unsqueeze(-1))
             flat_grad[i : i + rows] = softmax
             del softmax
-        return grad, None, None
+        return grad, None, None, None
 
 
 def chunked_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                         chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-    """logits [s, b, V/TP] in any float dtype, target [s, b] -> per-token loss [s, b] in fp32."""
+                                         chunk_bytes: int = CHUNK_BYTES, fused: bool = False) -> torch.Tensor:
+    """logits [s, b, V/TP] in any float dtype, target [s, b] -> per-token loss [s, b] in fp32. `fused`
+    (`train.compile`): each chunk's sums and gradient are compiled expressions, so the logits are read
+    twice forward (max, sums) and once backward, against about five fp32 passes each way in eager."""
+    if fused:
+        rows = max(1, min(chunk_bytes // (4 * logits.shape[-1]), logits.numel() // logits.shape[-1]))
+        return _ChunkedVocabParallelCrossEntropy.apply(logits.contiguous(), target, rows, True)
     if logits.numel() * 4 <= chunk_bytes:
         # One chunk holds it all: megatron's own function on an fp32 copy of at most one chunk costs the
         # same memory and is faster (it keeps the softmax instead of recomputing it in backward).

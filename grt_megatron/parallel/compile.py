@@ -8,7 +8,9 @@ What is compiled, and why these regions:
   diagnostics' step hooks stay eager around it.
 - every other transformer layer (prelude, coda, a dense model's layers, MoR's core) on its own, with
   `Module.compile`, which keeps parameter names: checkpoints of compiled and eager runs are the same files.
-The embedding, the head and the loss stay eager (the chunked loss is already memory-bound).
+The embedding and the head stay eager. The loss keeps its chunked form (model/loss.py, never the whole
+logits in fp32), with each chunk's arithmetic compiled: the softmax sums in one read of the logits, the
+gradient in one pass, where eager makes about five fp32 passes each way over every chunk.
 
 Graphs are specialised on shapes (`dynamic=False`): a run has one micro-batch shape in training and one in
 evaluation. `compiled_graphs` counts the graphs dynamo built; grt-train logs it, so a recompile shows in the metrics.
@@ -52,10 +54,13 @@ def register_traceable_megatron() -> None:
 
 
 def apply_compile(model: torch.nn.Module) -> int:
-    """Compile every `GatedRecurrentBlock`'s recurrence step and every layer outside it, in place.
-    Returns the number of regions compiled."""
+    """Compile every `GatedRecurrentBlock`'s recurrence step and every layer outside it, in place, and
+    switch the loss to its compiled chunk kernels. Returns the number of regions compiled."""
     register_traceable_megatron()
     regions = 0
+    for module in model.modules():  # the model, or a pipeline and its units: whichever computes the loss
+        if hasattr(module, "fused_loss"):
+            module.fused_loss = True
     for block in [m for m in model.modules() if isinstance(m, GatedRecurrentBlock)]:
         in_step = set()
         if block.routers is None and any(not isinstance(layer, torch.nn.Identity) for layer in block.core):

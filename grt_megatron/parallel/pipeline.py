@@ -138,12 +138,13 @@ class GRTPipelineModule(PipelineModule):
         self.unit_costs = costs
         super().__init__(
             layers=units,
-            loss_fn=lambda logits, labels: vocab_parallel_loss(logits, labels).mean(),
+            loss_fn=lambda logits, labels: vocab_parallel_loss(logits, labels, self.fused_loss).mean(),
             topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp_size),
             partition_method="uniform",  # replaced by _partition_layers below
             activation_checkpoint_interval=0,
         )
         self.config = config
+        self.fused_loss = False  # as GRTLanguageModel's: set by train.compile
 
     def _partition_layers(self, method="uniform"):
         self.parts = [*self.stage_starts, len(self._layer_specs)]
