@@ -345,7 +345,7 @@ def measure_medium(ctx: Context, compiled: bool) -> tuple[bool, dict, str]:
         passed = passed and all(r["mfu"] is not None for r in rows.values())
 
     def fmt(r):
-        mfu = "MFU n/a" if r["mfu"] is None else f"MFU {r['mfu']:.1%}"
+        mfu = "MFU n/a" if r["mfu"] is None else f"MFU {r['mfu']:.1%} (back to back {r['steady_mfu']:.1%})"
         stall = "" if r["host_stall_s"] is None else f", host stall {r['host_stall_s'] * 1e3:.1f} ms"
         return f"{r['model']} {r['median_step_s'] * 1e3:.0f} ms/step, {r['tokens_per_s']:,.0f} tok/s, {mfu}{stall}"
 

@@ -8,7 +8,8 @@ FLOPs are the model's (executed R, gate and projection counted; `grt_megatron.mo
 `--peak-tflops`, else the known peak of the GPU (`grt_megatron.training.metrics.PEAK_TFLOPS`). `--compile`
 applies train.compile's torch.compile. On CUDA one more step runs under torch.profiler to measure the
 host stall: the median step time minus the time at least one kernel ran, i.e. how long the GPU waited
-for the host.
+for the host. Each timed step is synchronised before and after; `steady_step_s` (and `steady_mfu`) time
+the same number of steps again back to back, as grt-train runs them, the losses read at the end.
 Writes tools/bench/results/gpu_mfu.json.
 """
 
@@ -174,6 +175,17 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
             times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
     step_s = statistics.median(times)
+    # The same steps back to back, as grt-train runs them: nothing synchronises between steps and the
+    # losses are read at the end, so the host prepares a step while the device finishes the last one.
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    float(loss.detach())
+    if cuda:
+        torch.cuda.synchronize()
+    steady_s = (time.perf_counter() - start) / steps
     busy = kernel_busy_seconds(step) if cuda else {"kernel_busy_s": None}
     phases = phase_seconds(step) if cuda else {}
     # How long the GPU waits for the host per step: launch overhead, syncs, Python between kernels.
@@ -187,6 +199,8 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
             "median_step_s": step_s, "tokens_per_s": tokens / step_s, "model_flops_per_s": flops,
             "peak_flops_per_s": peak,
             "mfu": None if peak is None else flops / peak,
+            "steady_step_s": steady_s,
+            "steady_mfu": None if peak is None else flops * step_s / steady_s / peak,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "losses": losses,
             "compiled": compile, "compiled_graphs": compiled_graphs() if compile else None,
             "first_step_s": first_step_s, "layer_spec": model_cfg.layer_spec,
@@ -196,7 +210,8 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
 
 # The fields of this benchmark's JSON (measure_training_step returns more).
 ROW_FIELDS = ("model", "shape", "device", "precision", "batch", "accumulation", "seq_length", "median_step_s",
-              "tokens_per_s", "model_flops_per_s", "mfu", "peak_memory_gib", "compiled", "compiled_graphs",
+              "tokens_per_s", "model_flops_per_s", "mfu", "steady_step_s", "steady_mfu", "peak_memory_gib",
+              "compiled", "compiled_graphs",
               "first_step_s", "layer_spec", "fusions", "host_stall_s")
 
 
