@@ -2,6 +2,7 @@
 DeepSpeed's bf16; the device-side gradient clipping; and how often a step makes the host wait for the
 device (counted on the CPU, parallel/mixed_precision.py and training/host_waits.py say why)."""
 
+import json
 import math
 
 import pytest
@@ -112,3 +113,44 @@ def test_host_wait_counter_counts_reads_after_work():
         float(y[0])     # a view, then a read: no new work
         float(y.sum())  # work again: a wait
     assert (counter.reads, counter.waits) == (3, 2)
+
+
+_COUNT_TRAINER_WAITS = """
+import json, sys
+from grt_megatron.training import cli, trainer
+from grt_megatron.training.host_waits import HostWaitCounter, host_resident_tensors
+
+waits, step = [], trainer.Trainer._train_step
+
+def counted(self, *args, **kwargs):
+    with HostWaitCounter(host_resident_tensors(self.engine.basic_optimizer)) as counter:
+        out = step(self, *args, **kwargs)
+    waits.append(counter.waits)
+    return out
+
+trainer.Trainer._train_step = counted
+sys.argv = ["grt-train", *sys.argv[1:]]
+cli.main()
+print("WAITS " + json.dumps(waits))
+"""
+
+
+@pytest.mark.parametrize("precision,waits", [("bf16-mixed", [1, 1, 1, 1, 1]), ("bf16", [3, 4, 3, 3, 4])])
+def test_grt_train_step_waits_as_its_runner(pydoc_prefix, tmp_path, precision, waits):
+    """A whole grt-train step (batch, depth draw, runner, metrics, progress) adds no read of its own to the
+    runner's: bf16-mixed waits once a step; bf16 three times, and once more at a logged step (log
+    interval 3), where DeepSpeed's norm is read for the record. (The first step also creates Adam's state.)"""
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_env
+
+    args = ["model=tiny", "data=indexed", f"data.prefixes=[{pydoc_prefix[0]}]", "train.iters=6",
+            "train.eval_interval=6", "train.eval_iters=1", "train.global_batch_size=8", "train.micro_batch_size=2",
+            "train.log_interval=3", f"train.precision={precision}", "logging.wandb=disabled",
+            "logging.progress=false", f"run.dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-c", _COUNT_TRAINER_WAITS, *args], cwd=REPO, env=cli_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counted = json.loads(proc.stdout.split("WAITS ")[-1])
+    assert counted[1:] == waits, counted
