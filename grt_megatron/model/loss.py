@@ -12,6 +12,8 @@ chunk take megatron's function itself: the same memory, and faster (no softmax r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
@@ -58,16 +60,11 @@ def _chunk_sums_in_place(chunk: torch.Tensor, row_max: torch.Tensor, local_targe
     return shifted.sum(dim=-1), target_logit
 
 
-_COMPILED: dict[str, object] = {}
-
-
+@functools.cache
 def _fused_kernels():
     """The two chunk expressions compiled once per process (shape-specialised: a full chunk and the last,
     shorter one are two graphs each)."""
-    if not _COMPILED:
-        _COMPILED["sums"] = torch.compile(_chunk_sums, dynamic=False)
-        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=False)
-    return _COMPILED["sums"], _COMPILED["grad"]
+    return torch.compile(_chunk_sums, dynamic=False), torch.compile(_chunk_grad, dynamic=False)
 
 
 class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
@@ -129,12 +126,9 @@ def chunked_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Ten
     """logits [s, b, V/TP] in any float dtype, target [s, b] -> per-token loss [s, b] in fp32. `fused`
     (`train.compile`): each chunk's sums and gradient are compiled expressions, so the logits are read
     twice forward (max, sums) and once backward, against about five fp32 passes each way in eager."""
-    if fused:
-        rows = max(1, min(chunk_bytes // (4 * logits.shape[-1]), logits.numel() // logits.shape[-1]))
-        return _ChunkedVocabParallelCrossEntropy.apply(logits.contiguous(), target, rows, True)
-    if logits.numel() * 4 <= chunk_bytes:
+    if logits.numel() * 4 <= chunk_bytes and not fused:
         # One chunk holds it all: megatron's own function on an fp32 copy of at most one chunk costs the
         # same memory and is faster (it keeps the softmax instead of recomputing it in backward).
         return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
     rows = max(1, chunk_bytes // (4 * logits.shape[-1]))
-    return _ChunkedVocabParallelCrossEntropy.apply(logits.contiguous(), target, rows)
+    return _ChunkedVocabParallelCrossEntropy.apply(logits.contiguous(), target, rows, fused)

@@ -10,8 +10,8 @@ The three precisions, and where each keeps what (bytes per parameter of model an
   gradients and optimizer stay fp32 (16); the forward runs under `torch.autocast(bfloat16)`, so matmuls
   and attention run in bf16 on casts of the weights, and norms, softmax-like reductions and the residual
   stream stay fp32. There is no master copy and no gradient copy: the optimizer is the bare (fused)
-  AdamW, the trainer clips on the device (step_runner.py), and a step reads the device twice (the
-  skip decision, and the step's loss and norm at its end).
+  AdamW, the trainer clips on the device (step_runner.py), and a step waits for the device once (the
+  norm for the skip decision, the loss read beside it, before the optimizer step is queued).
 
 The recurrence's state is fp32 in every precision (the gate's update is below bf16's resolution near
 g = 1: tests/test_numerics.py). Autocast caches the bf16 cast of each weight for one forward, so the
@@ -25,27 +25,18 @@ import functools
 
 import torch
 
-PRECISIONS = ("fp32", "bf16", "bf16-mixed")
-
-
-def autocast_dtype(precision: str):
-    """The dtype `torch.autocast` runs the forward in, or None when the forward runs as the weights are."""
-    return torch.bfloat16 if precision == "bf16-mixed" else None
-
-
 def apply_mixed_precision(model: torch.nn.Module, precision: str, device: torch.device) -> bool:
     """With `bf16-mixed`, run `model`'s forward under autocast from now on (its instance's `forward` is
     wrapped: DeepSpeed's engine, the pipeline engine, evaluation and sampling all call it; parameter names
     and checkpoints do not change). Backward runs outside autocast, as torch requires, and follows the
     dtypes the forward recorded. Returns whether it applied."""
-    dtype = autocast_dtype(precision)
-    if dtype is None:
+    if precision != "bf16-mixed":
         return False
     forward = model.forward
 
     @functools.wraps(forward)
     def autocast_forward(*args, **kwargs):
-        with torch.autocast(device_type=device.type, dtype=dtype):
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
             return forward(*args, **kwargs)
 
     model.forward = autocast_forward

@@ -279,7 +279,7 @@ class Trainer:
         if cfg.train.compile:
             record["compiled_graphs"] = compiled_graphs()
         logged = step % cfg.train.log_interval == 0 or step == cfg.train.iters or "skipped" in record
-        if logged and torch.is_tensor(record["grad_norm"]):
+        if logged and record["grad_norm"] is not None:
             # DeepSpeed's wrappers leave their norm on the device: read only for a record that is written.
             record["grad_norm"] = float(record["grad_norm"])
         if "skipped" in record:
@@ -298,7 +298,7 @@ class Trainer:
     def _step_outcome(self, out: StepOutput) -> dict:
         """Grad norm and whether (and why) the optimizer step was skipped; counts skips."""
         grad_norm = self.engine.get_global_grad_norm() if out.grad_norm is None else out.grad_norm
-        result = {"grad_norm": grad_norm if grad_norm is None or torch.is_tensor(grad_norm) else float(grad_norm)}
+        result = {"grad_norm": grad_norm}  # a float, a device tensor (DeepSpeed's) or None
         skipped = not self.engine.was_step_applied()
         if out.skip_reason == "loss spike":
             result["loss_spike"] = True

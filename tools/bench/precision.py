@@ -8,8 +8,8 @@ the step runner, the non-finite guard, clipping at 1.0), one process, DeepSpeed 
 Per precision: the median step time; the host waits of one step (reads of a device value with device work
 queued before them: what drains a GPU's queue, counted on the CPU by `HostWaitCounter`); the bytes per
 parameter that each engine keeps between steps (weights, master copies, gradient buffers, Adam moments:
-what the live tensors' bytes grew by when it was built and took a first step, each shape in a process of
-its own); and the loss after the timed steps against fp32's. The steps
+the tensors created while it was built and took a first step that are still alive, counted by
+`LiveBytes`); and the loss after the timed steps against fp32's. The steps
 interleave the precisions, so that the machine's drift is shared. On the CPU the times are not a GPU's (bf16
 matmuls run on AVX-512 BF16 here); the waits and the bytes are the same on a GPU. Writes
 tools/bench/results/precision.json.
@@ -17,11 +17,7 @@ tools/bench/results/precision.json.
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,31 +31,15 @@ import torch  # noqa: E402
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.model import DepthDraw  # noqa: E402
 from grt_megatron.training.host_waits import HostWaitCounter, host_resident_tensors  # noqa: E402
+from tools.bench.memory_vs_r import LiveBytes  # noqa: E402
 from tools.bench.overhead import framework_runner  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 
 
-def live_tensor_bytes() -> int:
-    """Bytes of every tensor storage alive in this process, each storage once (views share theirs)."""
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        try:
-            if not torch.is_tensor(obj) or obj.device.type == "meta":
-                continue
-            storage = obj.untyped_storage()
-        except Exception:  # objects that fail isinstance-like probing (lazy modules, weakref proxies)
-            continue
-        if storage.data_ptr() not in seen and storage.nbytes():
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
 def measure_shape(shape: str, args, info) -> dict:
-    """The three precisions at `shape`, in this process (which has built no other engine: the bytes an
-    engine keeps are what the process gained by building it and taking a first step)."""
+    """The three precisions at `shape`. The bytes an engine keeps are those of the tensors created while it
+    was built and took a first step that are still alive after it (`LiveBytes`)."""
     recipe, width = common.CPU_SHAPES[shape]
     runners, state_bytes, waits, losses, times = {}, {}, {}, {}, {p: [] for p in PRECISIONS}
     parameters = None
@@ -70,15 +50,14 @@ def measure_shape(shape: str, args, info) -> dict:
             x, y = common.random_batch(args.batch, seq)
             rows = torch.cat([x, y[:, -1:]], dim=1)
             seeds, draw = list(range(args.batch)), DepthDraw(cfg.recurrences, cfg.recurrences)
-        before = live_tensor_bytes()
         torch.manual_seed(0)
-        runners[precision] = framework_runner(run, cfg, info)[1]
-        runners[precision].train_step(rows, seeds, draw, 0)  # Adam's moments exist after a first step
-        # What the engine keeps between steps (weights, master copies, gradient buffers, moments; the
-        # step's activations are freed by now).
-        grown = live_tensor_bytes() - before
+        with LiveBytes() as live:
+            runners[precision] = framework_runner(run, cfg, info)[1]
+            runners[precision].train_step(rows, seeds, draw, 0)  # Adam's moments exist after a first step
         parameters = parameters or sum(p.numel() for p in runners[precision].engine.module.parameters())
-        state_bytes[precision] = grown / parameters
+        # What the engine keeps between steps: weights, master copies, gradient buffers, moments (the
+        # step's activations are freed by now).
+        state_bytes[precision] = live.total / parameters
     for step in range(1, args.warmup + args.steps):
         for precision in PRECISIONS[step % 3:] + PRECISIONS[:step % 3]:
             start = time.perf_counter()
@@ -106,21 +85,11 @@ def measure_shape(shape: str, args, info) -> dict:
 def main() -> None:
     parser = common.argument_parser(__doc__)
     common.add_step_arguments(parser)
-    parser.add_argument("--one-shape", action="store_true", help=argparse.SUPPRESS)
     args = common.parse_args(parser, "precision")
-    shapes = args.shapes.split(",")
-    if args.one_shape:  # a child: one shape, its row as JSON on the last line of stdout
-        row = measure_shape(shapes[0], args, init_distributed(seed=0))
-        print(json.dumps(row))
-        return
+    info = init_distributed(seed=0)
     results = []
-    for shape in shapes:  # each in its own process: no engine of another shape alive, or being freed
-        child = subprocess.run([sys.executable, __file__, "--one-shape", "--shapes", shape, "--steps",
-                                str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)],
-                               capture_output=True, text=True)
-        if child.returncode != 0:
-            sys.exit(f"precision.py: shape {shape} failed:\n{child.stderr[-3000:]}")
-        row = json.loads(child.stdout.strip().splitlines()[-1])
+    for shape in args.shapes.split(","):
+        row = measure_shape(shape, args, info)
         results.append(row)
         print(f"\n{shape} ({row['model']}, d {row['hidden_size']}, {row['parameters']:,} parameters): batch "
               f"{row['batch']} × {row['seq_length']}, median of {row['steps']} steps (CPU)")
@@ -130,7 +99,6 @@ def main() -> None:
                   f"{row['state_bytes_per_parameter'][p]:5.1f} B/parameter  loss {row['loss_after_steps'][p]:.5f}")
     out = common.write_result(args.output, {**common.stamp("precision", with_torch=True), "results": results})
     print(f"\nwrote {out}")
-
 
 if __name__ == "__main__":
     main()
