@@ -154,3 +154,43 @@ def test_grt_train_step_waits_as_its_runner(pydoc_prefix, tmp_path, precision, w
     assert proc.returncode == 0, proc.stderr[-3000:]
     counted = json.loads(proc.stdout.split("WAITS ")[-1])
     assert counted[1:] == waits, counted
+
+
+@pytest.mark.parametrize("gate", ["mlp", "fixed"])
+def test_autocast_casts_each_weight_once_per_forward_whatever_r(world, gate):
+    """Under bf16-mixed the shared core's weights are cast to bf16 once per forward, and their gradients
+    back to fp32 once per backward, at any R: autocast caches its cast of a leaf weight, so the local
+    linears hand it the weight itself (F.linear), not a transposed view that would be cast at every use."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grt_megatron.model import GRTConfig, GRTLanguageModel
+
+    class CastCounter(TorchDispatchMode):
+        def __init__(self, shapes):
+            super().__init__()
+            self.shapes, self.casts = shapes, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and tuple(out.shape) in self.shapes:
+                self.casts += 1
+            return out
+
+    counts = {}
+    for r in (2, 5):
+        config = GRTConfig.from_recipe({**RECIPE, "recurrences": r, "gate": gate, "vocab_size": 300})
+        model = GRTLanguageModel(config, init_seed=1)
+        tokens = _rows(0)
+        weights = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+        weights |= {shape[::-1] for shape in weights}  # a cast of a transposed view counts too
+        counter = CastCounter(weights)
+        with counter:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], tokens[:, 1:], r, r).mean()
+            loss.backward()
+        counts[r] = counter.casts
+        # Each linear's weight (and the tied head's, which is the embedding's) once each way; the
+        # embedding's lookup is not autocast (fp32).
+        linears = sum(1 for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
+        assert counter.casts == 2 * (linears + 1), (r, counter.casts, linears)
+    assert counts[2] == counts[5]

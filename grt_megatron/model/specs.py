@@ -93,7 +93,11 @@ class _TorchAutogradWhenLocal:
                  and kwargs.get("grad_output_buffer") is None)
         if not local:
             return super()._forward_impl(input, weight, *args, **kwargs)
-        output = torch.matmul(input, weight.t())
+        # F.linear, not matmul(input, weight.t()): the same product (ATen's linear is that matmul without a
+        # bias), but autocast (`train.precision=bf16-mixed`) caches its cast of `weight`, a leaf, for the
+        # whole forward, where the transposed view would be cast again at every use: the shared core's
+        # weights would be cast R times forward and their gradients R times backward.
+        output = F.linear(input, weight)
         bias = kwargs.get("bias")
         return output if bias is None else output + bias
 
