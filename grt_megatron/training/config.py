@@ -68,8 +68,8 @@ class TrainConfig:
     """Testing the skip policy: these steps' losses are made NaN before their backward."""
     precision: str = "bf16"
     """fp32; bf16 (bf16 weights, fp32 master copies and gradient accumulation in DeepSpeed's BF16 optimizer);
-    bf16-mixed (fp32 weights and optimizer, the forward under torch.autocast(bfloat16); no master copy, no
-    gradient copies: parallel/mixed_precision.py)."""
+    bf16-mixed (fp32 weights and optimizer, the forward under torch.autocast(bfloat16); no master copy, the
+    weights cast to bf16 each forward and their gradients to fp32 each backward: parallel/mixed_precision.py)."""
     tf32: bool = True
     """On Ampere and later GPUs, fp32 matmuls use TF32 tensor cores (10-bit mantissa products, fp32
     accumulation; PyTorch's default is off). false: full fp32 (MFU is then against the fp32 peak)."""
