@@ -131,6 +131,31 @@ def test_profile_summary_names_host_ops_kernels_and_waits():
     assert any(name == "aten::item" and count == 1 for name, _, count in top["host_waits"])
 
 
+def test_memory_ops_name_the_tensor_and_who_moved_it():
+    """The profile's memory-bound ops come grouped by shape and caller, outermost op only: a `.float()` of a
+    transposed bf16 tensor is one `_to_copy` (not also its inner `copy_`), named with the function that
+    asked for it and counted once per call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(REPO))
+    from tools.bench.gpu_mfu import memory_ops
+
+    def widen(t):
+        return t.float()
+
+    weights = torch.randn(96, 32, dtype=torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+        for _ in range(3):
+            widen(weights.t())
+        torch.zeros(5, 7).add_(1.0)
+    rows = {(name, tuple(shape)): (caller, count) for name, shape, caller, ms, count in memory_ops(prof, 12, False)}
+    caller, count = rows[("aten::_to_copy", (32, 96))]
+    assert count == 3 and caller.endswith(": widen")
+    assert ("aten::copy_", (32, 96)) not in rows  # inside the _to_copy: not counted again
+    assert rows[("aten::add_", (5, 7))][1] == 1
+
+
 def test_train_overrides_reach_the_cli_runs(tmp_path):
     ctx = gpu_check_runner.Context(mode=gpu_check_runner.mode_for(cuda=True, steps=None), work=tmp_path,
                                    clock=gpu_check_runner.Clock(100.0), env={})

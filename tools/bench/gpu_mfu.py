@@ -57,7 +57,9 @@ def kernel_busy_seconds(step) -> dict:
 
     torch.cuda.synchronize()
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        # Shapes and Python frames name the memory-bound ops (`memory_ops`); kernel durations do not change.
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+                     with_stack=True) as prof:
             step()
             torch.cuda.synchronize()
         kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
@@ -82,7 +84,48 @@ def profile_top(prof, rows: int = 12) -> dict:
     waits = [a for a in averages if any(w in a.key for w in ("Synchronize", "cudaMemcpy", "item", "_local_scalar"))]
     return {"top_host_ops": [[a.key, round(a.self_cpu_time_total / 1e3, 3), a.count] for a in host],
             "top_kernels": [[a.key[:120], round(device_ms(a), 3), a.count] for a in device],
-            "host_waits": [[a.key, round(a.self_cpu_time_total / 1e3, 3), a.count] for a in waits]}
+            "host_waits": [[a.key, round(a.self_cpu_time_total / 1e3, 3), a.count] for a in waits],
+            "top_memory_ops": memory_ops(prof, rows, on_device=any(device_ms(a) > 0 for a in averages))}
+
+
+# Ops that only move memory, or do one elementwise pass over it: on a GPU their time is bytes / bandwidth,
+# and the question is which tensors they move (gradients, weights, activations, logits) and who asked.
+MEMORY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::add", "aten::add_", "aten::mul",
+              "aten::mul_", "aten::sub", "aten::sub_", "aten::div", "aten::div_", "aten::cat", "aten::fill_",
+              "aten::zero_")
+
+
+def _caller(event) -> str:
+    """The nearest Python frame (or autograd node) above a profiled op: who asked for it."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if ".py(" in parent.name or parent.name.startswith("autograd::engine::evaluate_function"):
+            return parent.name.split("site-packages/")[-1].replace("autograd::engine::evaluate_function: ", "")
+        parent = parent.cpu_parent
+    return "?"
+
+
+def memory_ops(prof, rows: int = 12, on_device: bool = True) -> list:
+    """The memory-bound ops of a profiled step (`record_shapes` and `with_stack` on), outermost only (a copy_
+    inside a _to_copy counts once), grouped by op, first input's shape and caller: [op, shape, caller,
+    device ms (CPU ms where `on_device` is false), count], the most time first. This is what the GPU check's
+    `top_kernels` cannot say: whether its copies are gradients, weights, activations or logits."""
+    totals: dict = {}
+    for event in prof.events():
+        if event.name not in MEMORY_OPS:
+            continue
+        parent, nested = event.cpu_parent, False
+        while parent is not None and not nested:
+            nested, parent = parent.name in MEMORY_OPS, parent.cpu_parent
+        if nested:
+            continue
+        shapes = event.input_shapes or [[]]
+        key = (event.name, tuple(shapes[0]), _caller(event))
+        us = event.device_time_total if on_device else event.cpu_time_total
+        time_us, count = totals.get(key, (0.0, 0))
+        totals[key] = (time_us + us, count + 1)
+    ranked = sorted(totals.items(), key=lambda item: item[1][0], reverse=True)[:rows]
+    return [[name, list(shape), caller, round(us / 1e3, 3), count] for (name, shape, caller), (us, count) in ranked]
 
 
 def phase_seconds(step) -> dict:
