@@ -96,3 +96,17 @@ def test_mfu_peak_follows_tf32(monkeypatch, precision, tf32, tflops):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     assert metrics.peak_flops_per_device(precision, None, tf32=tf32) == tflops * 1e12
+
+
+@pytest.mark.parametrize("avx512,precision,device,warns", [
+    (False, "bf16", "cpu", True), (False, "bf16-mixed", "cpu", True), (False, "fp32", "cpu", False),
+    (True, "bf16", "cpu", False), (False, "bf16", "cuda", False)])
+def test_slow_bf16_warning_names_the_precision_only_where_bf16_is_slow(monkeypatch, avx512, precision, device,
+                                                                       warns):
+    from grt_megatron.device import slow_bf16_warning
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    line = slow_bf16_warning(precision, torch.device(device))
+    assert (line is not None) == warns
+    if warns:
+        assert line.startswith("warning: ") and f"train.precision={precision}" in line and "\n" not in line

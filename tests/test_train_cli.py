@@ -84,6 +84,10 @@ def test_bf16_dense_deepspeed_optimizer_and_offline_wandb(tmp_path):
                     "train.torch_adam=true", f"run.dir={tmp_path}", "logging.wandb=offline",
                     "logging.progress=false"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    from grt_megatron.device import cpu_has_fast_bf16_matmuls
+
+    # bf16 on a CPU without AVX-512 is slow, and the run's log says so (on this machine or not).
+    assert ("train.precision=bf16 on a CPU without AVX-512" in proc.stdout) != cpu_has_fast_bf16_matmuls()
     steps = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "split" not in r]
     assert len(steps) == 4 and all(r["recurrences"] == 1 and r["grad_norm"] > 0 for r in steps)
     assert steps[-1]["loss"] < steps[0]["loss"]

@@ -25,7 +25,7 @@ from grt_megatron.checkpoint import save_checkpoint
 from grt_megatron.checkpoint.async_save import AsyncSaver
 from grt_megatron.checkpoint.checkpointer import snapshot_checkpoint
 from grt_megatron.checkpoint.state import OptimizerState
-from grt_megatron.device import set_tf32
+from grt_megatron.device import set_tf32, slow_bf16_warning
 from grt_megatron.distributed import destroy_distributed, init_distributed
 from grt_megatron.files import write_atomic
 from grt_megatron.generation import sample_text
@@ -198,6 +198,9 @@ class Trainer:
             print(f"SLURM job {job['job_id']}, restart {job['restart_count']}", flush=True)
         if info.is_main:
             print(f"kernels: {describe_kernels(self.model_config)}", flush=True)
+            slow = slow_bf16_warning(cfg.train.precision, info.device)
+            if slow:
+                print(slow, flush=True)
             self._write_run_info()
             self.tokenizer.save(self.run_dir / self.tokenizer.file_name)
         self.stop_requests = StopRequests()

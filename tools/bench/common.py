@@ -105,8 +105,23 @@ def stamp(benchmark: str, with_torch: bool = False) -> dict:
     if with_torch:
         import torch
 
-        head.update(torch=torch.__version__, threads=torch.get_num_threads())
+        # The CPU's vector extensions decide bf16's speed there (grt_megatron.device.cpu_has_fast_bf16_matmuls).
+        head.update(torch=torch.__version__, threads=torch.get_num_threads(), cpu=cpu_model(),
+                    cpu_capability=torch.backends.cpu.get_cpu_capability())
     return head
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else the platform's processor string."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def write_result(path: str, payload: dict) -> Path:
