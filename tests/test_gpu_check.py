@@ -195,7 +195,8 @@ def test_gpu_check_in_cpu_mode_passes_every_check(tmp_path):
     output, work = tmp_path / "gpu_check.json", tmp_path / "work"
     env = {k: v for k, v in os.environ.items() if k not in gpu_check_runner.LAUNCHER_ENV}
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--cpu", "--output", str(output),
-                           "--work-dir", str(work)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                           "--work-dir", str(work), "--medium-baseline-precision", "bf16-mixed"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     report = json.loads(output.read_text())
     failed = {c["name"]: c["detail"] for c in report["checks"] if not c["passed"]}
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:], proc.stderr[-3000:])
@@ -234,11 +235,18 @@ def test_gpu_check_in_cpu_mode_passes_every_check(tmp_path):
     assert all(r["layer_spec"] == "local" and r["fusions"] == [] and r["host_stall_s"] is None  # CPU: all off
                for r in rows.values())
     compiled = report["medium_compiled"]
-    assert set(compiled) == {"tiny", "tiny_dense"}
+    # The compiled GRT once more in the baseline precision, and its step time over that baseline's.
+    assert set(compiled) == {"tiny", "tiny_dense", "tiny@bf16-mixed"}
+    assert compiled["tiny"]["precision"] == "bf16" and compiled["tiny@bf16-mixed"]["precision"] == "bf16-mixed"
+    assert report["grt_compiled_baseline_precision"] == "bf16-mixed"
+    assert report["grt_compiled_step_time_over_baseline"] == pytest.approx(
+        compiled["tiny"]["median_step_s"] / compiled["tiny@bf16-mixed"]["median_step_s"])
+    assert report["grt_compiled_steady_step_time_over_baseline"] > 0
     assert all(r["compiled"] and r["compiled_graphs"] >= 1 and r["first_step_s"] > r["median_step_s"]
                and all(math.isfinite(v) for v in r["losses"]) for r in compiled.values())
     # Compiling changes the speed, not the function: the first step's loss (same weights, same batch) is eager's.
     for name, row in compiled.items():
+        name = name.split("@")[0]
         assert abs(row["losses"][0] - rows[name]["losses"][0]) <= 1e-2 * abs(rows[name]["losses"][0]), name
     assert report["grt_over_dense_flops_per_s_compiled"] > 0 and report["grt_over_dense_tokens_per_s_compiled"] > 0
 

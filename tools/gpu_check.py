@@ -3,7 +3,7 @@
     python3 tools/gpu_check.py [--output tools/bench/results/gpu_check.json] [--work-dir DIR] [--cpu]
                                [--skip NAME ...] [--steps N] [--previous REPORT] [--budget SECONDS]
                                [--train-override KEY=VALUE ...] [--medium-accumulation N]
-                               [--medium-precision bf16|bf16-mixed]
+                               [--medium-precision bf16|bf16-mixed] [--medium-baseline-precision bf16|bf16-mixed]
 
 Run from the repository root; the package need not be installed (the repository is put on sys.path and the
 CLIs run as `python -m grt_megatron...`). With CUDA it checks the GPU in under 9 minutes; without it (or with
@@ -35,7 +35,8 @@ any check failed. What each check proves:
                       the host stall (median step time minus the time some kernel ran, from one profiled
                       step). On CPU the tiny models stand in and MFU and the stall are null.
   medium_compiled     the same with train.compile's torch.compile (rows also record the compiled graphs and
-                      the first, compiling, step's time).
+                      the first, compiling, step's time); with --medium-baseline-precision P, the GRT once
+                      more in P, and its step time over that baseline's.
 
 Writes a JSON report (atomically) and prints a table. The checks are in gpu_check_checks.py, the
 subprocess and time-guard machinery in gpu_check_runner.py, the device-side measurements in
@@ -71,7 +72,9 @@ TIME_BUDGET_S = {"cuda": 540.0, "cpu": 600.0}
 # The report's top-level numbers (null when their check did not run): eager, then compiled.
 SUMMARY_KEYS = tuple(f"{key}{suffix}" for suffix in ("", "_compiled") for key in (
     "mfu_grt_medium", "mfu_dense_medium", "grt_over_dense_flops_per_s", "grt_over_dense_tokens_per_s",
-    "host_stall_s_grt_medium", "host_stall_s_dense_medium"))
+    "host_stall_s_grt_medium", "host_stall_s_dense_medium")) + (
+    "grt_compiled_baseline_precision", "grt_compiled_step_time_over_baseline",
+    "grt_compiled_steady_step_time_over_baseline")
 
 
 def run_check(ctx: Context, name: str) -> dict:
@@ -153,6 +156,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--medium-precision", default="bf16", choices=("bf16", "bf16-mixed"),
                         help="train.precision of the throughput checks (default bf16: DeepSpeed's BF16 optimizer; "
                              "bf16-mixed: fp32 weights, autocast, the trainer's clipping)")
+    parser.add_argument("--medium-baseline-precision", default=None, choices=("bf16", "bf16-mixed"),
+                        help="also measure the compiled GRT in this precision, on the same card (one more row "
+                             "of medium_compiled, about a minute): the baseline that --medium-precision is "
+                             "compared with (grt_compiled_step_time_over_baseline)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for all checks (default 540 on CUDA, 600 on CPU); a check that would start "
                              "after it fails as 'not run'")
@@ -171,7 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     clock = Clock(args.budget or TIME_BUDGET_S[mode.name])
     ctx = Context(mode=mode, work=work, clock=clock, env=child_env(mode.name == "cpu", work),
-                  medium_accumulation=args.medium_accumulation, medium_precision=args.medium_precision)
+                  medium_accumulation=args.medium_accumulation, medium_precision=args.medium_precision,
+                  medium_baseline_precision=args.medium_baseline_precision)
     ctx.results["medium_summary"] = {}
     ctx.results["train_overrides"] = [*TRAIN_OVERRIDES, *args.train_override]
     log(clock, f"{mode.name} mode, work dir {work}, report {args.output}")

@@ -319,19 +319,33 @@ def check_hf_logits(ctx: Context) -> tuple[bool, dict, str]:
 def measure_medium(ctx: Context, compiled: bool) -> tuple[bool, dict, str]:
     m = ctx.mode
     suffix = "_compiled" if compiled else ""
+    # One after the other: a step time measured alone. Compiled, with --medium-baseline-precision, the GRT
+    # once more in that precision on the same card (row "<model>@<precision>"): which precision is faster.
+    runs = [(model, model, ctx.medium_precision) for model in m.medium_models]
+    baseline = ctx.medium_baseline_precision if compiled else None
+    if baseline:
+        runs.append((f"{m.medium_models[1]}@{baseline}", m.medium_models[1], baseline))
     rows, errors = {}, {}
-    for model in m.medium_models:  # one after the other: a step time measured alone
+    for key, model, precision in runs:
         try:
-            rows[model] = run_worker(ctx, "throughput", [
+            rows[key] = run_worker(ctx, "throughput", [
                 "--model", model, "--seq", str(m.medium_seq), "--batch", str(m.medium_batch), "--warmup",
                 str(m.medium_warmup), "--timed-steps", str(m.medium_steps), "--vocab", str(m.medium_vocab),
-                "--accumulation", str(ctx.medium_accumulation), "--precision", ctx.medium_precision,
+                "--accumulation", str(ctx.medium_accumulation), "--precision", precision,
                 *(["--compile"] if compiled else [])],
                 300 if compiled else 240)
         except CheckFailed as err:  # the other model is still measured
-            errors[model] = str(err)
+            errors[key] = str(err)
     ctx.results["medium" + suffix] = rows
     dense, grt = (rows.get(name) for name in m.medium_models)
+    if baseline:
+        base = rows.get(runs[-1][0])
+        ctx.results["medium_summary"].update({
+            "grt_compiled_baseline_precision": baseline,
+            "grt_compiled_step_time_over_baseline": grt["median_step_s"] / base["median_step_s"]
+            if grt and base else None,
+            "grt_compiled_steady_step_time_over_baseline": grt["steady_step_s"] / base["steady_step_s"]
+            if grt and base else None})
     both = bool(dense and grt)
     ratio = grt["model_flops_per_s"] / dense["model_flops_per_s"] if both else None
     ctx.results["medium_summary"].update({
@@ -344,12 +358,12 @@ def measure_medium(ctx: Context, compiled: bool) -> tuple[bool, dict, str]:
     if m.name == "cuda":  # a GPU whose bf16 peak is unknown gives no MFU: say so by failing
         passed = passed and all(r["mfu"] is not None for r in rows.values())
 
-    def fmt(r):
+    def fmt(key, r):
         mfu = "MFU n/a" if r["mfu"] is None else f"MFU {r['mfu']:.1%} (back to back {r['steady_mfu']:.1%})"
         stall = "" if r["host_stall_s"] is None else f", host stall {r['host_stall_s'] * 1e3:.1f} ms"
-        return f"{r['model']} {r['median_step_s'] * 1e3:.0f} ms/step, {r['tokens_per_s']:,.0f} tok/s, {mfu}{stall}"
+        return f"{key} {r['median_step_s'] * 1e3:.0f} ms/step, {r['tokens_per_s']:,.0f} tok/s, {mfu}{stall}"
 
-    summary = "; ".join([fmt(r) for r in rows.values()] + [f"{name} FAILED" for name in errors])
+    summary = "; ".join([fmt(key, r) for key, r in rows.items()] + [f"{name} FAILED" for name in errors])
     return passed, {"rows": rows, "errors": errors, f"grt_over_dense_flops_per_s{suffix}": ratio}, summary
 
 

@@ -118,6 +118,7 @@ class Context:
     workers_started: int = 0
     medium_accumulation: int = 1   # micro-batches per step of the throughput checks (--medium-accumulation)
     medium_precision: str = "bf16"  # the throughput checks' train.precision (--medium-precision)
+    medium_baseline_precision: Optional[str] = None  # the compiled GRT again in this one (--medium-baseline-precision)
 
     def need(self, key: str, check: str) -> Any:
         if key not in self.results:
