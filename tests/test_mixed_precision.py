@@ -156,41 +156,61 @@ def test_grt_train_step_waits_as_its_runner(pydoc_prefix, tmp_path, precision, w
     assert counted[1:] == waits, counted
 
 
+_COUNT_WEIGHT_CASTS = """
+import json, sys
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from grt_megatron.distributed import init_distributed
+from grt_megatron.model import GRTConfig, GRTLanguageModel
+
+class CastCounter(TorchDispatchMode):
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.casts = shapes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and tuple(out.shape) in self.shapes:
+            self.casts += 1
+        return out
+
+init_distributed(seed=0)
+recipe, counts = json.loads(sys.argv[1]), {}
+for r in (2, 5):
+    model = GRTLanguageModel(GRTConfig.from_recipe({**recipe, "recurrences": r}), init_seed=1)
+    # 3 x 32 = 96 tokens: no activation ([96, ...]) has a weight's shape (dims 64, 128, 256, 300).
+    tokens = torch.randint(0, 300, (3, 33), generator=torch.Generator().manual_seed(0))
+    weights = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    weights |= {shape[::-1] for shape in weights}  # a cast of a transposed view counts too
+    counter = CastCounter(weights)
+    with counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:], r, r).mean()
+        loss.backward()
+    linears = sum(1 for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
+    counts[r] = [counter.casts, linears]
+print("CASTS " + json.dumps(counts))
+"""
+
+
 @pytest.mark.parametrize("gate", ["mlp", "fixed"])
-def test_autocast_casts_each_weight_once_per_forward_whatever_r(world, gate):
+def test_autocast_casts_each_weight_once_per_forward_whatever_r(gate):
     """Under bf16-mixed the shared core's weights are cast to bf16 once per forward, and their gradients
     back to fp32 once per backward, at any R: autocast caches its cast of a leaf weight, so the local
-    linears hand it the weight itself (F.linear), not a transposed view that would be cast at every use."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    linears hand it the weight itself (F.linear), not a transposed view that would be cast at every use.
+    Counted in a fresh process: the count is of this one forward and backward, whatever ran before."""
+    import subprocess
+    import sys
 
-    from grt_megatron.model import GRTConfig, GRTLanguageModel
+    from conftest import REPO, cli_env
 
-    class CastCounter(TorchDispatchMode):
-        def __init__(self, shapes):
-            super().__init__()
-            self.shapes, self.casts = shapes, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten._to_copy.default and tuple(out.shape) in self.shapes:
-                self.casts += 1
-            return out
-
-    counts = {}
-    for r in (2, 5):
-        config = GRTConfig.from_recipe({**RECIPE, "recurrences": r, "gate": gate, "vocab_size": 300})
-        model = GRTLanguageModel(config, init_seed=1)
-        tokens = _rows(0)
-        weights = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
-        weights |= {shape[::-1] for shape in weights}  # a cast of a transposed view counts too
-        counter = CastCounter(weights)
-        with counter:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(tokens[:, :-1], tokens[:, 1:], r, r).mean()
-            loss.backward()
-        counts[r] = counter.casts
+    recipe = json.dumps({**RECIPE, "gate": gate, "vocab_size": 300})
+    proc = subprocess.run([sys.executable, "-c", _COUNT_WEIGHT_CASTS, recipe], cwd=REPO, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.split("CASTS ")[-1])
+    for r, (casts, linears) in counts.items():
         # Each linear's weight (and the tied head's, which is the embedding's) once each way; the
         # embedding's lookup is not autocast (fp32).
-        linears = sum(1 for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
-        assert counter.casts == 2 * (linears + 1), (r, counter.casts, linears)
-    assert counts[2] == counts[5]
+        assert casts == 2 * (linears + 1), (r, casts, linears)
+    assert counts["2"][0] == counts["5"][0]
