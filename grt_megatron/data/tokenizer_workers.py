@@ -100,8 +100,13 @@ class TokenizerWorkers:
                     self._procs.append(subprocess.Popen(
                         [sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                         process_group=0, stdin=subprocess.DEVNULL))
-            for conn in self._conns:
-                conn.send(tokenizer)
+            for worker in range(workers):
+                # A worker killed before it took its tokenizer (the test's SIGKILL can land that early)
+                # fails as any dead worker does, in one line, not as a bare BrokenPipeError.
+                try:
+                    self._conns[worker].send(tokenizer)
+                except (BrokenPipeError, ConnectionResetError):
+                    self._raise_died(worker)
         except BaseException:
             self._stop(kill=True)
             raise
