@@ -82,4 +82,3 @@ def slow_bf16_warning(precision: str, device: torch.device) -> Optional[str]:
         return None
     return (f"warning: train.precision={precision} on a CPU without AVX-512: bf16 matmuls take a slow path here "
             "(10-130x fp32's time); train.precision=fp32 (train=cpu's) is the fast choice on this machine")
-

@@ -115,6 +115,20 @@ def test_host_wait_counter_counts_reads_after_work():
     assert (counter.reads, counter.waits) == (3, 2)
 
 
+def _counted_in_fresh_process(script: str, args: list[str], marker: str, timeout: int):
+    """Run a counting `script` (python -c, with `args`) in a process of its own, so that nothing an earlier
+    test did in this one enters the count; the JSON it prints after `marker`."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_env
+
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split(marker)[-1])
+
+
 _COUNT_TRAINER_WAITS = """
 import json, sys
 from grt_megatron.training import cli, trainer
@@ -140,19 +154,11 @@ def test_grt_train_step_waits_as_its_runner(pydoc_prefix, tmp_path, precision, w
     """A whole grt-train step (batch, depth draw, runner, metrics, progress) adds no read of its own to the
     runner's: bf16-mixed waits once a step; bf16 three times, and once more at a logged step (log
     interval 3), where DeepSpeed's norm is read for the record. (The first step also creates Adam's state.)"""
-    import subprocess
-    import sys
-
-    from conftest import REPO, cli_env
-
     args = ["model=tiny", "data=indexed", f"data.prefixes=[{pydoc_prefix[0]}]", "train.iters=6",
             "train.eval_interval=6", "train.eval_iters=1", "train.global_batch_size=8", "train.micro_batch_size=2",
             "train.log_interval=3", f"train.precision={precision}", "logging.wandb=disabled",
             "logging.progress=false", f"run.dir={tmp_path}"]
-    proc = subprocess.run([sys.executable, "-c", _COUNT_TRAINER_WAITS, *args], cwd=REPO, env=cli_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counted = json.loads(proc.stdout.split("WAITS ")[-1])
+    counted = _counted_in_fresh_process(_COUNT_TRAINER_WAITS, args, "WAITS ", timeout=600)
     assert counted[1:] == waits, counted
 
 
@@ -199,16 +205,8 @@ def test_autocast_casts_each_weight_once_per_forward_whatever_r(gate):
     back to fp32 once per backward, at any R: autocast caches its cast of a leaf weight, so the local
     linears hand it the weight itself (F.linear), not a transposed view that would be cast at every use.
     Counted in a fresh process: the count is of this one forward and backward, whatever ran before."""
-    import subprocess
-    import sys
-
-    from conftest import REPO, cli_env
-
     recipe = json.dumps({**RECIPE, "gate": gate, "vocab_size": 300})
-    proc = subprocess.run([sys.executable, "-c", _COUNT_WEIGHT_CASTS, recipe], cwd=REPO, env=cli_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.split("CASTS ")[-1])
+    counts = _counted_in_fresh_process(_COUNT_WEIGHT_CASTS, [recipe], "CASTS ", timeout=300)
     for r, (casts, linears) in counts.items():
         # Each linear's weight (and the tied head's, which is the embedding's) once each way; the
         # embedding's lookup is not autocast (fp32).

@@ -26,7 +26,7 @@ import sys
 import threading
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Iterable, Iterator, NoReturn, Sequence
+from typing import Iterable, Iterator, NoReturn, Sequence, Union
 
 from grt_megatron.data.tokenizer import Tokenizer
 from grt_megatron.errors import Interrupted
@@ -101,12 +101,9 @@ class TokenizerWorkers:
                         [sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                         process_group=0, stdin=subprocess.DEVNULL))
             for worker in range(workers):
-                # A worker killed before it took its tokenizer (the test's SIGKILL can land that early)
-                # fails as any dead worker does, in one line, not as a bare BrokenPipeError.
-                try:
-                    self._conns[worker].send(tokenizer)
-                except (BrokenPipeError, ConnectionResetError):
-                    self._raise_died(worker)
+                # Through `_send`: a worker killed before it took its tokenizer (the test's SIGKILL can land
+                # that early) fails as any dead worker does, in one line, not as a bare BrokenPipeError.
+                self._send(worker, tokenizer)
         except BaseException:
             self._stop(kill=True)
             raise
@@ -138,9 +135,10 @@ class TokenizerWorkers:
                 return
             yield self._receive(in_flight.popleft())
 
-    def _send(self, worker: int, chunk: list[str]) -> None:
+    def _send(self, worker: int, message: Union[Tokenizer, list[str]]) -> None:
+        """Send a worker its tokenizer or a chunk; a dead worker raises `TokenizerWorkerError` in one line."""
         try:
-            self._conns[worker].send(chunk)
+            self._conns[worker].send(message)
         except (BrokenPipeError, ConnectionResetError):
             self._raise_died(worker)
 

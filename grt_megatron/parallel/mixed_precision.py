@@ -24,8 +24,8 @@ gradients are summed in bf16 before that one cast, as DeepSpeed's bf16 sums them
 (`train.compile`), each recurrence step is its own graph call and casts the core's weights again, its
 backward returns their fp32 gradients, and autograd adds R of them in fp32: at the medium GRT (68 M
 shared parameters, R = 4) about 5.7 GB of casts and additions a micro-batch against 2.0 GB in eager mode,
-some 0.8 ms at an H200's 4.8 TB/s (an estimate from bytes moved, not timed). Whether bf16-mixed beats bf16 on a GPU is
-the GPU check's question (README, "GPU check").
+some 0.8 ms at an H200's 4.8 TB/s (an estimate from bytes moved, not timed). Whether bf16-mixed beats
+bf16 on a GPU is the GPU check's question (README, "GPU check").
 """
 
 from __future__ import annotations
