@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 
@@ -24,3 +25,12 @@ def quiet_known_warnings() -> None:
         import torch
 
         os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def freeze_imported_objects() -> None:
+    """Call once a command has imported what it runs (torch, megatron-core, DeepSpeed): ~0.46 M tracked
+    objects that live until exit. Frozen, the garbage collector no longer walks them, neither in a full
+    collection during the run (~0.26 s each on a 2-core CPU: a host stall on a GPU) nor in the interpreter's
+    teardown collections (~1.5 s of grt-train's exit here). What the command creates afterwards is collected
+    and finalised as usual. (Megatron-LM's manual GC and torchtitan's gc_freq tame the same walks.)"""
+    gc.freeze()

@@ -73,6 +73,7 @@ def _record(cfg: DictConfig) -> dict:
 @hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
     from grt_megatron.checkpoint import CheckpointError, CheckpointWriteError
+    from grt_megatron.console import freeze_imported_objects
     from grt_megatron.data import DataError
     from grt_megatron.errors import raised_from
     from grt_megatron.model import ConfigError
@@ -81,6 +82,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     from grt_megatron.training.step_guard import TrainingDiverged
     from grt_megatron.training.trainer import run_training
 
+    freeze_imported_objects()
     try:
         run_cfg = build_run_config(cfg)
         result = run_training(run_cfg, _record(cfg))
