@@ -69,6 +69,11 @@ def train_config(overrides: list[str]):
         return compose("train", overrides=overrides)
 
 
+# bf16 runs in tests use short rows: on CPUs without AVX-512 (CI's may be one) torch's bf16 matmuls take a slow
+# path, 10-130x fp32's time, and what those tests check (resume, waits, the optimizers) is the same at any length.
+BF16_SHORT = ["train.seq_length=32"]
+
+
 def run_cli(args: list[str], env: dict | None = None, launcher: list[str] | None = None,
             timeout: int = 600) -> subprocess.CompletedProcess:
     """`grt-train ARGS` in a fresh process (optionally under torchrun), as a user would run it."""

@@ -14,7 +14,7 @@ import time
 import pytest
 from safetensors import safe_open
 
-from conftest import REPO, cli_env, read_jsonl, run_cli, start_cli, wait_for
+from conftest import BF16_SHORT, REPO, cli_env, read_jsonl, run_cli, start_cli, wait_for
 
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
 PORT = iter(range(29710, 29800))
@@ -43,7 +43,7 @@ def _curve(run_dir, after=0):
 
 LAYOUTS = [
     ("1p", 1, []),
-    ("1p-bf16", 1, ["train.precision=bf16"]),
+    ("1p-bf16", 1, ["train.precision=bf16", *BF16_SHORT]),
     ("tp2", 2, ["parallel.tp=2"]),
     # ZeRO 2 keeps its optimizer state as ZeRO 1 does (DeepSpeed's one stage-1-and-2 optimizer): zero1 stands for it.
     ("dp2-zero1", 2, ["deepspeed.zero_stage=1"]),
@@ -56,9 +56,9 @@ LAYOUTS = [
     ("ouro-dp2-zero1", 2, ["model=tiny_ouro", "deepspeed.zero_stage=1"]),
     ("rrt-1p", 1, ["model=tiny_rrt"]),
     # torch's fused AdamW under DeepSpeed's BF16 optimizer (its step count lives with the parameters)
-    ("1p-bf16-fused-adam", 1, ["train.precision=bf16", "train.fused_adam=true"]),
+    ("1p-bf16-fused-adam", 1, ["train.precision=bf16", "train.fused_adam=true", *BF16_SHORT]),
     # fp32 weights under autocast, the bare fused AdamW stepping them, clipped by the trainer
-    ("1p-bf16-mixed-fused-adam", 1, ["train.precision=bf16-mixed", "train.fused_adam=true"]),
+    ("1p-bf16-mixed-fused-adam", 1, ["train.precision=bf16-mixed", "train.fused_adam=true", *BF16_SHORT]),
 ]
 
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from conftest import BF16_SHORT
 from grt_megatron.model import DepthDraw
 
 RECIPE = dict(hidden_size=64, num_attention_heads=4, max_sequence_length=32, prelude_layers=1, core_layers=1,
@@ -156,7 +157,7 @@ def test_grt_train_step_waits_as_its_runner(pydoc_prefix, tmp_path, precision, w
     interval 3), where DeepSpeed's norm is read for the record. (The first step also creates Adam's state.)"""
     args = ["model=tiny", "data=indexed", f"data.prefixes=[{pydoc_prefix[0]}]", "train.iters=6",
             "train.eval_interval=6", "train.eval_iters=1", "train.global_batch_size=8", "train.micro_batch_size=2",
-            "train.log_interval=3", f"train.precision={precision}", "logging.wandb=disabled",
+            "train.log_interval=3", f"train.precision={precision}", *BF16_SHORT, "logging.wandb=disabled",
             "logging.progress=false", f"run.dir={tmp_path}"]
     counted = _counted_in_fresh_process(_COUNT_TRAINER_WAITS, args, "WAITS ", timeout=600)
     assert counted[1:] == waits, counted

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_jsonl, run_cli
+from conftest import BF16_SHORT, read_jsonl, run_cli
 
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
 RECIPE = dict(hidden_size=64, num_attention_heads=4, max_sequence_length=32, prelude_layers=1, core_layers=1,
@@ -132,7 +132,7 @@ def test_injected_nan_step_is_skipped_and_the_run_goes_on(injected_reference):
 def test_injected_nan_step_is_skipped_under_bf16_mixed(pydoc_prefix, tmp_path):
     """The trainer's guard decides from the norm it measured (one read): the NaN step is skipped, the
     schedule waits, the steps around it are finite."""
-    proc = run_cli([*_args(pydoc_prefix[0], 5, ["train.inject_nan_at=[3]", "train.precision=bf16-mixed"]),
+    proc = run_cli([*_args(pydoc_prefix[0], 5, ["train.inject_nan_at=[3]", "train.precision=bf16-mixed", *BF16_SHORT]),
                     f"run.dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [r for r in _strict(tmp_path / "metrics.jsonl") if "split" not in r]
