@@ -1,9 +1,10 @@
 """Console hygiene shared by the command-line tools."""
 
+import json
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, cli_env
 
 _FROZEN_THEN_A_FILE_IN_A_CYCLE = """
 import gc, sys
@@ -34,3 +35,32 @@ def test_frozen_imports_leave_what_the_command_makes_to_the_collector(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) > 100_000  # torch's objects are frozen: no collection walks them again
     assert out.read_text() == "x" * 100
+
+
+_GC_STATE_IN_TRAINING = """
+import gc, json, sys
+from grt_megatron.training import cli, trainer
+
+seen, step = [], trainer.Trainer._train_step
+
+def recorded(self, *args, **kwargs):
+    seen.append([gc.isenabled(), gc.get_freeze_count()])
+    return step(self, *args, **kwargs)
+
+trainer.Trainer._train_step = recorded
+sys.argv = ["grt-train", *sys.argv[1:]]
+cli.main()
+print("GC " + json.dumps(seen))
+"""
+
+
+def test_grt_train_trains_with_the_collector_on_and_its_imports_frozen(pydoc_prefix, tmp_path):
+    """Off while importing, frozen after: every step runs with the collector on (a run's own garbage is
+    collected) and the imported objects out of its walks."""
+    proc = subprocess.run([sys.executable, "-c", _GC_STATE_IN_TRAINING, "model=tiny", f"data={pydoc_prefix[0]}",
+                           "train.iters=2", "train.global_batch_size=2", "train.eval_iters=1",
+                           "logging.wandb=disabled", "logging.progress=false", f"run.dir={tmp_path}"],
+                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.split("GC ")[-1])
+    assert len(seen) == 2 and all(enabled and frozen > 100_000 for enabled, frozen in seen), seen

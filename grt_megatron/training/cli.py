@@ -128,10 +128,12 @@ def _report(result, run_cfg) -> None:
 
 
 def main() -> None:
+    from grt_megatron.console import collect_nothing_while_importing
     from grt_megatron.errors import raised_from
     from grt_megatron.training.signals import Interrupted, raise_on_signals
 
     raise_on_signals()  # first: a signal during imports, data preparation or resume ends with one line
+    collect_nothing_while_importing()  # until _hydra_main's imports are done
     try:
         from grt_megatron.console import quiet_known_warnings
 
