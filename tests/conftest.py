@@ -74,6 +74,15 @@ def train_config(overrides: list[str]):
 BF16_SHORT = ["train.seq_length=32"]
 
 
+def json_from_fresh_process(script: str, args: list[str], marker: str, timeout: int):
+    """Run `script` (python -c, with `args`) in a process of its own, so that nothing an earlier test did in
+    this one enters what it measures; the JSON it prints after `marker`."""
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split(marker)[-1])
+
+
 def run_cli(args: list[str], env: dict | None = None, launcher: list[str] | None = None,
             timeout: int = 600) -> subprocess.CompletedProcess:
     """`grt-train ARGS` in a fresh process (optionally under torchrun), as a user would run it."""

@@ -1,10 +1,6 @@
 """Console hygiene shared by the command-line tools."""
 
-import json
-import subprocess
-import sys
-
-from conftest import REPO, cli_env
+from conftest import json_from_fresh_process
 
 _FROZEN_THEN_A_FILE_IN_A_CYCLE = """
 import gc, sys
@@ -24,16 +20,14 @@ class Holder:
 holder = Holder()
 holder.me, holder.file = holder, open(sys.argv[1], "w")
 holder.file.write("x" * 100)
-print(frozen)
+print("FROZEN", frozen)
 """
 
 
 def test_frozen_imports_leave_what_the_command_makes_to_the_collector(tmp_path):
     out = tmp_path / "written.txt"
-    proc = subprocess.run([sys.executable, "-c", _FROZEN_THEN_A_FILE_IN_A_CYCLE, str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert int(proc.stdout.split()[-1]) > 100_000  # torch's objects are frozen: no collection walks them again
+    frozen = json_from_fresh_process(_FROZEN_THEN_A_FILE_IN_A_CYCLE, [str(out)], "FROZEN ", timeout=120)
+    assert frozen > 100_000  # torch's objects are frozen: no collection walks them again
     assert out.read_text() == "x" * 100
 
 
@@ -57,10 +51,7 @@ print("GC " + json.dumps(seen))
 def test_grt_train_trains_with_the_collector_on_and_its_imports_frozen(pydoc_prefix, tmp_path):
     """Off while importing, frozen after: every step runs with the collector on (a run's own garbage is
     collected) and the imported objects out of its walks."""
-    proc = subprocess.run([sys.executable, "-c", _GC_STATE_IN_TRAINING, "model=tiny", f"data={pydoc_prefix[0]}",
-                           "train.iters=2", "train.global_batch_size=2", "train.eval_iters=1",
-                           "logging.wandb=disabled", "logging.progress=false", f"run.dir={tmp_path}"],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = json.loads(proc.stdout.split("GC ")[-1])
+    seen = json_from_fresh_process(_GC_STATE_IN_TRAINING, [
+        "model=tiny", f"data={pydoc_prefix[0]}", "train.iters=2", "train.global_batch_size=2", "train.eval_iters=1",
+        "logging.wandb=disabled", "logging.progress=false", f"run.dir={tmp_path}"], "GC ", timeout=300)
     assert len(seen) == 2 and all(enabled and frozen > 100_000 for enabled, frozen in seen), seen

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import BF16_SHORT
+from conftest import BF16_SHORT, json_from_fresh_process
 from grt_megatron.model import DepthDraw
 
 RECIPE = dict(hidden_size=64, num_attention_heads=4, max_sequence_length=32, prelude_layers=1, core_layers=1,
@@ -116,20 +116,6 @@ def test_host_wait_counter_counts_reads_after_work():
     assert (counter.reads, counter.waits) == (3, 2)
 
 
-def _counted_in_fresh_process(script: str, args: list[str], marker: str, timeout: int):
-    """Run a counting `script` (python -c, with `args`) in a process of its own, so that nothing an earlier
-    test did in this one enters the count; the JSON it prints after `marker`."""
-    import subprocess
-    import sys
-
-    from conftest import REPO, cli_env
-
-    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=cli_env(), capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split(marker)[-1])
-
-
 _COUNT_TRAINER_WAITS = """
 import json, sys
 from grt_megatron.training import cli, trainer
@@ -159,7 +145,7 @@ def test_grt_train_step_waits_as_its_runner(pydoc_prefix, tmp_path, precision, w
             "train.eval_interval=6", "train.eval_iters=1", "train.global_batch_size=8", "train.micro_batch_size=2",
             "train.log_interval=3", f"train.precision={precision}", *BF16_SHORT, "logging.wandb=disabled",
             "logging.progress=false", f"run.dir={tmp_path}"]
-    counted = _counted_in_fresh_process(_COUNT_TRAINER_WAITS, args, "WAITS ", timeout=600)
+    counted = json_from_fresh_process(_COUNT_TRAINER_WAITS, args, "WAITS ", timeout=600)
     assert counted[1:] == waits, counted
 
 
@@ -207,7 +193,7 @@ def test_autocast_casts_each_weight_once_per_forward_whatever_r(gate):
     linears hand it the weight itself (F.linear), not a transposed view that would be cast at every use.
     Counted in a fresh process: the count is of this one forward and backward, whatever ran before."""
     recipe = json.dumps({**RECIPE, "gate": gate, "vocab_size": 300})
-    counts = _counted_in_fresh_process(_COUNT_WEIGHT_CASTS, [recipe], "CASTS ", timeout=300)
+    counts = json_from_fresh_process(_COUNT_WEIGHT_CASTS, [recipe], "CASTS ", timeout=300)
     for r, (casts, linears) in counts.items():
         # Each linear's weight (and the tied head's, which is the embedding's) once each way; the
         # embedding's lookup is not autocast (fp32).

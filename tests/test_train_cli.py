@@ -81,8 +81,8 @@ def test_torchrun_data_parallel_matches_one_process(tmp_path, pydoc_prefix):
 
 def test_bf16_dense_deepspeed_optimizer_and_offline_wandb(tmp_path):
     proc = run_cli(["model=tiny_dense", "train.iters=4", "train.precision=bf16", "train.optimizer=deepspeed",
-                    "train.torch_adam=true", *BF16_SHORT, "train.eval_iters=1", f"run.dir={tmp_path}", "logging.wandb=offline",
-                    "logging.progress=false"])
+                    "train.torch_adam=true", *BF16_SHORT, "train.eval_iters=1", f"run.dir={tmp_path}",
+                    "logging.wandb=offline", "logging.progress=false"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     from grt_megatron.device import cpu_has_fast_bf16_matmuls
 
@@ -100,7 +100,7 @@ def test_fused_adam_trains_as_the_default_adam_within_rounding(tmp_path):
     curves = {}
     for fused in ("false", "true"):
         proc = run_cli(["model=tiny", "train.iters=4", "train.precision=bf16", f"train.fused_adam={fused}",
-                        *BF16_SHORT, "train.eval_iters=1", f"run.dir={tmp_path / fused}", "logging.wandb=disabled", "logging.progress=false"])
+                        *BF16_SHORT, "train.eval_iters=1", f"run.dir={tmp_path / fused}", *QUIET])
         assert proc.returncode == 0, proc.stderr[-3000:]
         curves[fused] = [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(tmp_path / fused / "metrics.jsonl")
                          if "split" not in r]
