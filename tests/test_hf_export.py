@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, run_cli
+from conftest import REPO, json_from_fresh_process, run_cli
 
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
 PORT = iter(range(29800, 29850))
@@ -191,3 +191,24 @@ def test_grt_generate_gives_the_same_tokens_from_checkpoint_and_export(trained, 
                            "--output", str(exported["tp2"].parent / "x")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "grt-convert-hf: error:" in proc.stderr
     assert "not a grt-megatron checkpoint" in proc.stderr
+
+
+_EXPORT_WITH_FROZEN_IMPORTS = """
+import gc, json, sys
+from grt_megatron.hf import convert
+
+status = convert.main(sys.argv[1:])
+print("EXPORT " + json.dumps([status, gc.isenabled(), gc.get_freeze_count()]))
+"""
+
+
+def test_grt_convert_hf_freezes_its_imports_and_writes_the_same_folder(trained, exported, tmp_path):
+    """grt-convert-hf imports transformers and the framework with the collector off and freezes them
+    (console.import_frozen): its exit then skips ~1.5 s of collections; the folder is the same."""
+    out = tmp_path / "hf"
+    status, enabled, frozen = json_from_fresh_process(
+        _EXPORT_WITH_FROZEN_IMPORTS, ["--checkpoint", str(trained["tp2"]), "--output", str(out)], "EXPORT ",
+        timeout=300)
+    assert status == 0 and enabled and frozen > 100_000
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(exported["tp2"] / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)

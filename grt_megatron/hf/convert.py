@@ -372,7 +372,7 @@ def _read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grt_megatron.console import quiet_known_warnings
+    from grt_megatron.console import import_frozen, quiet_known_warnings
 
     parser = argparse.ArgumentParser(prog="grt-convert-hf", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="2GB")
     args = parser.parse_args(argv)
     quiet_known_warnings()
+    import_frozen("transformers", "grt_megatron.model")  # both directions build both models
     try:
         if args.checkpoint:
             source = resolve_export_source(Path(args.checkpoint))

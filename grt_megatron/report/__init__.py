@@ -50,13 +50,14 @@ def write_report(runs: list[Run], output: Path, command: str) -> list[dict]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from grt_megatron.console import quiet_known_warnings
+    from grt_megatron.console import import_frozen, quiet_known_warnings
 
     quiet_known_warnings()
     parser = argparse.ArgumentParser(prog="grt-report", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories, or folders holding them")
     parser.add_argument("--output", type=Path, required=True, help="folder for report.md, summary.json, plots")
     args = parser.parse_args(argv)
+    import_frozen("matplotlib", "grt_megatron.model")  # for the plots (pyplot once its backend is set), the FLOPs
     command = "grt-report " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
         runs = find_runs(args.runs)

@@ -34,6 +34,7 @@ from tools.bench.common import (  # noqa: E402
 
 import torch  # noqa: E402
 
+from grt_megatron.console import freeze_imported_objects  # noqa: E402
 from grt_megatron.device import run_device, set_tf32  # noqa: E402
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.model import DepthDraw, GRTLanguageModel, train_flops_per_token  # noqa: E402
@@ -161,6 +162,9 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
     from grt_megatron.parallel.mixed_precision import apply_mixed_precision
     from grt_megatron.training.step_guard import clip_grad_norm, install_step_guard
 
+    # As grt-train (console.py): what the imports made is frozen, so a collection inside a timed step
+    # walks only what this run made (a full pass over the imports: ~0.27 s on a 2-core CPU).
+    freeze_imported_objects()
     device = run_device()
     cuda = device.type == "cuda"
     run = run_config(model, batch, precision, f"model.max_sequence_length={seq}",
