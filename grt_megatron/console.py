@@ -52,7 +52,7 @@ def import_frozen(*modules: str) -> None:
     a generation or a report then exits ~1.5 s sooner (teardown no longer walks torch, megatron-core and
     transformers), and a long evaluation's collections walk only what it made. A package left off the list
     is imported later, unfrozen, and collected as usual: slower, never wrong."""
-    gc.disable()
+    collect_nothing_while_importing()
     try:
         for name in modules:
             importlib.import_module(name)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import BF16_SHORT, json_from_fresh_process
+from conftest import BF16_SHORT, json_from_fresh_process, tiny_config
 from grt_megatron.model import DepthDraw
 
 RECIPE = dict(hidden_size=64, num_attention_heads=4, max_sequence_length=32, prelude_layers=1, core_layers=1,
@@ -206,7 +206,6 @@ def test_shared_core_gradients_summed_in_bf16_over_r_stay_within_bf16s_own_error
     summed in bf16 before the one cast back (as DeepSpeed's bf16 weights sum them). At R = 16 that adds
     little to the error bf16 matmuls make anyway: measured against float64, the core's gradients are within
     1.5x of the error with a cast per use (summed in fp32) and of the unshared prelude's and coda's."""
-    from conftest import tiny_config
     from grt_megatron.model import GRTLanguageModel
 
     config = tiny_config(hidden_size=128, recurrences=16, max_sequence_length=64, gate_bias_init=2.0,

@@ -155,7 +155,9 @@ def measure_training_step(model: str, batch: int, seq: int, steps: int, warmup: 
     step is `accumulation` micro-batches of `batch` sequences and one optimizer step, as grt-train runs a
     global batch larger than the micro-batch (the paper's recipe: 480 sequences, micro-batch 6): the
     optimizer and gradient-norm work, fixed per step, is then shared by more tokens.
-    `init_distributed` must have run."""
+    `init_distributed` must have run. Like grt-train, it freezes what the process holds before it builds
+    the model (`gc.freeze`), so call it once per process, as both callers do: a second call would also
+    freeze the first one's model and engine for good."""
     from grt_megatron.model.kernels import FUSION_FIELDS
     from grt_megatron.parallel.compile import apply_compile, compiled_graphs
     from grt_megatron.parallel.deepspeed_engine import build_engine, clips_outside_deepspeed
