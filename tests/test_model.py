@@ -231,6 +231,18 @@ def test_random_initial_state_is_deterministic_in_eval(world):
     assert torch.equal(model(x), model(x))
 
 
+def test_a_random_initial_state_needs_a_path_for_the_tokens(world):
+    """Started from noise, the state sees the tokens only through the injection or the mlp gate: without
+    both (an Ouro or RRT recipe given initial_state=random) the logits would not depend on the input."""
+    for gate in ("none", "residual", "fixed"):
+        with pytest.raises(ConfigError, match="nothing carries the prelude's output"):
+            tiny_config(initial_state="random", injection="none", gate=gate)
+    for injection, gate in (("concat_project", "none"), ("add", "none"), ("none", "mlp")):
+        model = build(tiny_config(initial_state="random", injection=injection, gate=gate)).eval()
+        with torch.no_grad():
+            assert not torch.equal(model(tokens(seed=1)), model(tokens(seed=2))), (injection, gate)
+
+
 def test_rope_model_runs(world):
     model = build(tiny_config(position_embedding="rope"))
     assert not any("position_embeddings" in n for n, _ in model.named_parameters())

@@ -164,6 +164,12 @@ class GRTConfig(TransformerConfig):
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
+        if self.initial_state == "random" and self.injection == "none" and self.gate != "mlp":
+            # Only the injection and the mlp gate read the prelude's output: without both, the state starts
+            # from noise and no step ever sees the tokens, so the model's output would not depend on its input.
+            raise ConfigError(f"model.initial_state='random' with model.injection='none' and model.gate="
+                              f"{self.gate!r}: nothing carries the prelude's output (the tokens) into the "
+                              "recurrence; use initial_state=prelude, an injection, or the mlp gate")
         if self.routing != "none":
             self._check_mor()
         if self.exit_head:
