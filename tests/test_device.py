@@ -3,7 +3,8 @@ helper (`grt_megatron.device`) or names its device, so that none reaches NCCL or
 
 A CPU test cannot run NCCL; what it can do is refuse the pattern that broke GPU runs (a bare
 `torch.tensor(...)` all-reduced, stacked with CUDA tensors or sent between pipeline stages) and check the
-helper's choices. The paths themselves run on a GPU in `tools/gpu_check.py`.
+helper's choices, and it can run every model variant (and the exported model) on the `meta` device, where
+an op that meets a host tensor is refused as on a GPU. The paths themselves run on a GPU in `tools/gpu_check.py`.
 """
 
 import ast
@@ -110,3 +111,110 @@ def test_slow_bf16_warning_names_the_precision_only_where_bf16_is_slow(monkeypat
     assert (line is not None) == warns
     if warns:
         assert line.startswith("warning: ") and f"train.precision={precision}" in line and "\n" not in line
+
+
+# ---- every model variant, run on a device that is not the host ------------------------------------------
+# The static check above sees only the guarded files' factory calls. This runs the model itself: built on
+# the host (as training builds it), moved whole to the `meta` device (as DeepSpeed moves it to the GPU), then
+# forward and backward there. A meta op refuses a host tensor as a CUDA op does ("not on the expected
+# device"), so a tensor made on the host inside any variant's forward or backward fails here on CPU.
+EXPERIMENTS = sorted(p.stem for p in (REPO / "recipes" / "experiment" / "cpu").glob("*.yaml") if p.stem != "base")
+EXTRA = {"rope": ["++model.position_embedding=rope"], "checkpointed": ["++model.checkpoint_recurrence=true"],
+         "random_h0": ["++model.initial_state=random"], "per_element": ["++model.noise_shape=per_element"]}
+
+
+def _experiment_config(experiment: str, extra: list[str]):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from grt_megatron.model import GRTConfig
+
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment=cpu/{experiment}", *extra])  # ++: dense has no such fields
+    recipe = OmegaConf.to_container(cfg.model, resolve=True)
+    recipe.update(vocab_size=300, max_sequence_length=32)
+    return GRTConfig.from_recipe(recipe)
+
+
+def _run_on_meta(config, train: bool):
+    from grt_megatron.model import GRTLanguageModel
+
+    model = GRTLanguageModel(config).to("meta").train(train)
+    if model.rotary_pos_emb is not None:
+        # megatron-core keeps RoPE's inverse frequencies off the module's tensors and moves them to the
+        # current CUDA device at the first forward (which `meta` has no hook for): do that move here.
+        model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.to("meta")
+    if not train and config.routing == "expert_choice":
+        # MoR's causal threshold keeps a data-dependent number of tokens, which the host reads (one sync per
+        # recursion, by design); meta tensors hold no values. Top-k evaluation runs the same ops without it.
+        model.block.mor_eval_routing = "topk"
+    tokens = torch.zeros((2, 17), dtype=torch.long, device="meta")
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    assert loss.device.type == "meta" and loss.shape == (2, 16)
+    if train:
+        loss.mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        assert all(g is not None and g.device.type == "meta" for g in grads.values()), \
+            [n for n, g in grads.items() if g is None or g.device.type != "meta"]
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_cpu_experiment_trains_and_evaluates_off_the_host(world, experiment):
+    config = _experiment_config(experiment, [])
+    _run_on_meta(config, train=True)
+    _run_on_meta(config, train=False)
+
+
+@pytest.mark.parametrize("extra", sorted(EXTRA))
+@pytest.mark.parametrize("experiment", ["grt_isoflops", "dense", "mor_isoflops", "ouro_isoflops", "rrt_isoflops"])
+def test_model_switches_train_and_evaluate_off_the_host(world, experiment, extra):
+    from grt_megatron.errors import ConfigError
+
+    try:
+        config = _experiment_config(experiment, EXTRA[extra])
+    except ConfigError as err:  # a switch the variant refuses (MoR, Ouro: no noise, learned positions, ...)
+        pytest.skip(f"{experiment} refuses {extra}: {err}")
+    _run_on_meta(config, train=True)
+    if extra != "random_h0":  # evaluation's fixed h_0 comes from a generator on the state's device; meta has none
+        _run_on_meta(config, train=False)
+
+
+def test_running_off_the_host_finds_a_tensor_made_on_the_host(world):
+    """The check above can fail: a forward that adds a host tensor (what broke GPU runs) is refused on meta."""
+    from grt_megatron.model import GRTLanguageModel
+
+    model = GRTLanguageModel(_experiment_config("grt_isoflops", [])).to("meta")
+    model.final_norm.register_forward_hook(lambda module, args, out: out + torch.ones(out.shape[-1]))
+    tokens = torch.zeros((2, 17), dtype=torch.long, device="meta")
+    with pytest.raises(RuntimeError, match="device"):
+        model(tokens[:, :-1], tokens[:, 1:])
+
+
+@pytest.mark.parametrize("experiment,extra", [("grt_isoflops", []), ("grt_isoflops", ["++model.position_embedding=rope"]),
+                                              ("grt_isoflops", ["++model.injection=add"]), ("dense", []),
+                                              ("ouro_isoflops", []), ("rrt_isoflops", []),
+                                              ("ablation_no_reinjection", [])])
+def test_the_exported_model_runs_off_the_host(world, experiment, extra):
+    """The Hugging Face model (what users run on their GPUs through transformers) on meta: without and with
+    the per-recurrence and the averaged K/V cache (a prompt, then one more token), Ouro's exit rule, and a
+    training step. A GRT's adaptive exit is left out: it stops the loop when no token is left, which the host
+    must read (one sync per recurrence, by design), and meta tensors hold no values."""
+    from grt_megatron.hf.convert import _hf_classes, hf_config_kwargs
+
+    hf_config, causal_lm = _hf_classes()
+    model = causal_lm(hf_config(**hf_config_kwargs(_experiment_config(experiment, extra).to_dict()))).to("meta")
+    ids = torch.zeros((2, 5), dtype=torch.long, device="meta")
+    with torch.no_grad():
+        model.eval()
+        assert model(ids, use_cache=False).logits.device.type == "meta"
+        for kv_cache in ("per_recurrence", "average"):
+            out = model(ids, use_cache=True, kv_cache=kv_cache)
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values
+            assert model(ids[:, :1], cache=cache, use_cache=True, kv_cache=kv_cache).logits.shape[1] == 1
+        if model.config.exit_head:
+            assert model(ids, use_cache=False, exit_threshold=0.5).logits.device.type == "meta"
+    model.train()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    without = {n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or p.grad.device.type != "meta")}
+    # The `labels` loss is the last step's cross-entropy (the framework's `loss`): Ouro's exit head has no part in it.
+    assert without == ({"model.exit_head.weight", "model.exit_head.bias"} if model.config.exit_head else set())
