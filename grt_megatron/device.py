@@ -26,6 +26,39 @@ def run_device() -> torch.device:
     return torch.device("cpu")
 
 
+def inference_device(requested: Optional[str]) -> torch.device:
+    """The device a command that runs a trained model (grt-generate) uses: `requested` (`cpu`, `cuda` or
+    `cuda:N`), by default CUDA where it is available, as grt-eval and transformers' pipelines do. A device
+    this machine lacks is refused with the reason (ValueError), not replaced by another."""
+    if requested is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {requested!r}: not cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {requested}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {requested}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def hide_cuda() -> None:
+    """Make this process CPU-only, as `CUDA_VISIBLE_DEVICES=` would from the shell. megatron-core and this
+    project choose their kernels by whether CUDA is visible, not by where a model's tensors are: with a GPU
+    present, a model meant for the CPU would get Transformer Engine's layers and RoPE tables moved to the
+    GPU. torch reads the variable when it first asks for CUDA devices, so this must run before anything
+    does; if something already had, the GPU stays visible and this refuses (RuntimeError) rather than let
+    a CPU run take GPU kernels."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if torch.cuda.is_available():
+        raise RuntimeError("cannot hide CUDA: torch had already looked for GPUs; start the command with "
+                           "CUDA_VISIBLE_DEVICES= instead")
+
+
 def device_tensor(data: Any, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """`torch.tensor(data)` on the run's device (flags, counters and seeds that travel in collectives)."""
     return torch.tensor(data, dtype=dtype, device=run_device())

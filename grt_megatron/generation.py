@@ -6,7 +6,9 @@
 
 `--checkpoint` runs grt-megatron's own model (any layout's checkpoint, merged into one process);
 `--hf` runs the exported Hugging Face model with its per-recurrence K/V cache. Greedy, both give the same
-tokens. Evaluation mode everywhere: noise off.
+tokens. Evaluation mode everywhere: noise off. Both run on `--device` (default: CUDA where available, as
+grt-eval) in `--dtype` (default fp32). Greedy text does not depend on the device beyond rounding; sampled
+text does, since each device has its own random number generator.
 """
 
 from __future__ import annotations
@@ -48,24 +50,37 @@ def sample_text(model, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, s
     return prompt + tokenizer.decode(new)
 
 
-def _from_checkpoint(args) -> str:
+def load_checkpoint_model(path: Path, device: torch.device, dtype: str = "fp32"):
+    """The framework model of checkpoint `path` (any layout's, merged into one process) in evaluation mode,
+    on `device`, its weights in `dtype` (fp32 or bf16). The caller has started the process group (a world
+    of one, `init_distributed`) on that device."""
     from grt_megatron.checkpoint.consolidate import consolidate
-    from grt_megatron.checkpoint.store import checkpoint_dir, inspect_checkpoint
+    from grt_megatron.checkpoint.store import inspect_checkpoint
+    from grt_megatron.model import GRTConfig, GRTLanguageModel
+
+    tensors, _ = consolidate(path, progress=False)
+    recipe = inspect_checkpoint(path).state["model"]
+    # Built on the host (megatron's CPU initialisation) and moved whole, as DeepSpeed moves a training model.
+    model = GRTLanguageModel(GRTConfig.from_recipe(recipe, precision="bf16" if dtype == "bf16" else "fp32"))
+    model.load_state_dict(tensors, strict=True)
+    return model.to(device).eval()
+
+
+def _from_checkpoint(args, device: torch.device) -> str:
+    from grt_megatron.checkpoint.store import checkpoint_dir
     from grt_megatron.data.tokenizer import load_tokenizer
     from grt_megatron.distributed import destroy_distributed, init_distributed
-    from grt_megatron.model import GRTConfig, GRTLanguageModel
 
     path, skipped = checkpoint_dir(args.checkpoint)  # a run directory: its newest complete checkpoint
     for s in skipped:
         print(f"grt-generate: skipping {s.path} ({s.problem})", file=sys.stderr)
     if path != Path(args.checkpoint):
         print(f"grt-generate: using {path}", file=sys.stderr)
-    tensors, _ = consolidate(path, progress=False)
-    state = inspect_checkpoint(path).state
     init_distributed(seed=args.seed)
     try:
-        model = GRTLanguageModel(GRTConfig.from_recipe(state["model"]))
-        model.load_state_dict(tensors, strict=True)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # megatron's RoPE tables follow the current device, not the model's
+        model = load_checkpoint_model(path, device, args.dtype)
         if args.exit_threshold is not None:
             if not 0 < args.exit_threshold <= 1:
                 raise ValueError(f"--exit-threshold {args.exit_threshold}: must be in (0, 1]")
@@ -76,24 +91,26 @@ def _from_checkpoint(args) -> str:
             # probability reaches the threshold (every step still runs: nothing is cached here).
             model.config.exit_threshold, model.exit_rule = args.exit_threshold, "threshold"
         tokenizer = load_tokenizer(path / ("tokenizer.model" if (path / "tokenizer.model").is_file() else "tokenizer"))
-        return sample_text(model, tokenizer, args.prompt, args.max_new_tokens, seed=args.seed,
+        return sample_text(model, tokenizer, args.prompt, args.max_new_tokens, seed=args.seed, device=device,
                            temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
                            recurrences=args.num_recurrences)
     finally:
         destroy_distributed()
 
 
-def _from_hf(args) -> str:
+def _from_hf(args, device: torch.device) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(args.hf, trust_remote_code=True).eval()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.hf, trust_remote_code=True, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.hf, trust_remote_code=True)
     ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt else [tokenizer.eos_token_id]
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # seeds every device's generator
     extra = {} if args.greedy else {"temperature": args.temperature, "top_k": args.top_k}
-    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=not args.greedy,
-                         min_new_tokens=args.max_new_tokens, num_recurrences=args.num_recurrences,
-                         kv_cache=args.kv_cache, exit_threshold=args.exit_threshold, **extra)
+    out = model.generate(torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
+                         do_sample=not args.greedy, min_new_tokens=args.max_new_tokens,
+                         num_recurrences=args.num_recurrences, kv_cache=args.kv_cache,
+                         exit_threshold=args.exit_threshold, **extra)
     new = out[0, len(ids):].tolist()
     return args.prompt + tokenizer.decode(new, skip_special_tokens=False)
 
@@ -116,13 +133,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exit-threshold", type=float, default=None,
                         help="a GRT's adaptive exit (--hf), or an Ouro model's exit rule (--hf or --checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the weights' and activations' dtype")
     args = parser.parse_args(argv)
+    from grt_megatron.device import cpu_has_fast_bf16_matmuls, hide_cuda, inference_device
+
+    try:
+        device = inference_device(args.device)
+        if args.checkpoint and device.type == "cpu" and args.device is not None:
+            hide_cuda()  # megatron's layers would otherwise take GPU kernels for this CPU model
+    except (ValueError, RuntimeError) as err:
+        print(f"grt-generate: error: {err}", file=sys.stderr)
+        return 2
+    print(f"grt-generate: {args.dtype} on {device}", file=sys.stderr)
+    if device.type == "cpu" and args.dtype == "bf16" and not cpu_has_fast_bf16_matmuls():
+        print("grt-generate: warning: bf16 matmuls take a slow path on a CPU without AVX-512 (--dtype fp32 is "
+              "faster here)", file=sys.stderr)
     quiet_known_warnings()
     import_frozen("grt_megatron.model" if args.checkpoint else "transformers")
     from grt_megatron.checkpoint.store import CheckpointError
 
     try:
-        text = _from_checkpoint(args) if args.checkpoint else _from_hf(args)
+        text = _from_checkpoint(args, device) if args.checkpoint else _from_hf(args, device)
     except (CheckpointError, OSError, ValueError) as err:
         print(f"grt-generate: error: {err}", file=sys.stderr)
         return 2

@@ -218,3 +218,29 @@ def test_the_exported_model_runs_off_the_host(world, experiment, extra):
     without = {n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or p.grad.device.type != "meta")}
     # The `labels` loss is the last step's cross-entropy (the framework's `loss`): Ouro's exit head has no part in it.
     assert without == ({"model.exit_head.weight", "model.exit_head.bias"} if model.config.exit_head else set())
+
+
+def test_inference_device_defaults_to_cuda_where_present_and_refuses_what_is_missing(monkeypatch):
+    from grt_megatron.device import inference_device
+
+    assert inference_device(None) == torch.device("cpu") and inference_device("cpu") == torch.device("cpu")
+    for bad, reason in (("cuda", "CUDA is not available"), ("tpu", "not cpu, cuda or cuda:N"),
+                        ("cuda:x", "not cpu, cuda or cuda:N"), ("meta", "not cpu, cuda or cuda:N")):
+        with pytest.raises(ValueError, match=reason):
+            inference_device(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert inference_device(None) == torch.device("cuda") and inference_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="this machine has 2 CUDA device"):
+        inference_device("cuda:2")
+
+
+def test_hide_cuda_refuses_when_torch_already_saw_a_gpu(monkeypatch):
+    from grt_megatron.device import hide_cuda
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    hide_cuda()  # no GPU here: hidden, nothing to refuse
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # torch had counted the GPUs already
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES= instead"):
+        hide_cuda()

@@ -226,6 +226,9 @@ def test_gpu_check_in_cpu_mode_passes_every_check(tmp_path):
     assert generate["tokens_equal"] and generate["new_tokens"] == 20
     logits = checks["hf_logits"]["detail"]
     assert logits["fp32"]["max_abs_diff"] <= 1e-4 and logits["bf16"]["max_abs_diff"] <= logits["bf16"]["tolerance"]
+    cli_generate = checks["generate_cli"]["detail"]
+    assert cli_generate["texts_equal"] and cli_generate["checkpoint"]["text"].startswith(cli_generate["prompt"])
+    assert cli_generate["checkpoint"]["ran_on"] == cli_generate["hf"]["ran_on"] == "fp32 on cpu"
 
     rows = report["medium"]
     assert set(rows) == {"tiny", "tiny_dense"}

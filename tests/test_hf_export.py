@@ -187,10 +187,34 @@ def test_grt_generate_gives_the_same_tokens_from_checkpoint_and_export(trained, 
     # A run directory, as resume= takes it: its newest complete checkpoint, named on stderr.
     from_run = generate("--checkpoint", str(trained["tp2"].parents[1]))
     assert from_run.stdout == from_checkpoint and f"grt-generate: using {trained['tp2']}\n" in from_run.stderr
+    assert "grt-generate: fp32 on cpu\n" in from_run.stderr  # CUDA where present (none here), as grt-eval
+    # bf16 from both sources: it runs, says so, and warns where this CPU takes bf16's slow path.
+    for source in (["--checkpoint", str(trained["tp2"])], ["--hf", str(exported["tp2"])]):
+        bf16 = generate(*source, "--device", "cpu", "--dtype", "bf16")
+        assert bf16.stdout.startswith("def main") and "grt-generate: bf16 on cpu\n" in bf16.stderr
+    refused = subprocess.run([sys.executable, "-m", "grt_megatron.generation", "--checkpoint", str(trained["tp2"]),
+                              "--device", "cuda"], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "grt-generate: error: --device cuda: CUDA is not available on this machine"]
     proc = subprocess.run([sys.executable, "-m", "grt_megatron.hf.convert", "--checkpoint", str(REPO),
                            "--output", str(exported["tp2"].parent / "x")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "grt-convert-hf: error:" in proc.stderr
     assert "not a grt-megatron checkpoint" in proc.stderr
+
+
+def test_grt_generate_loads_a_checkpoint_in_bf16_within_bf16s_rounding(world, trained):
+    """`grt-generate --dtype bf16` builds the framework model in bf16 (weights and activations) from any
+    layout's checkpoint; its logits stay within the HF export's bf16 tolerance of fp32's."""
+    from grt_megatron.generation import load_checkpoint_model
+
+    tokens = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
+    fp32 = load_checkpoint_model(trained["tp2"], torch.device("cpu"), "fp32")
+    bf16 = load_checkpoint_model(trained["tp2"], torch.device("cpu"), "bf16")
+    assert not fp32.training and {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        want, got = fp32(tokens), bf16(tokens).float()
+    diff = float((got - want).abs().max())
+    assert 0 < diff <= 2e-2 * max(1.0, float(want.abs().max()))
 
 
 _EXPORT_WITH_FROZEN_IMPORTS = """

@@ -28,6 +28,9 @@ any check failed. What each check proves:
   hf_logits           the exported model's logits equal the framework's on the same tokens (fp32 within
                       1e-4, as tests/test_hf_export.py; bf16 within 2e-2 × max(1, largest logit) of the
                       framework in bf16).
+  generate_cli        grt-generate as a user runs it, with no --device (so on the GPU): from the final
+                      checkpoint (the framework's model, built on the host and moved) and from the export
+                      (transformers, cached), the same 20 greedy tokens.
   medium_throughput   medium dense (24 layers) vs medium GRT (2+5×4+2), d 1024, seq 1024, bf16 (or
                       --medium-precision bf16-mixed: fp32 weights under autocast), through the
                       DeepSpeed engine: median step time, tokens/s, model FLOPs/s, MFU, peak memory, the

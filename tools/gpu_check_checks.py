@@ -10,12 +10,13 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from grt_megatron.training.metrics import read_metrics
-from tools.gpu_check_runner import (CheckFailed, Context, cli, run_command, run_worker, start_command, start_worker,
+from tools.gpu_check_runner import (REPO, CheckFailed, Context, cli, run_command, run_worker, start_command, start_worker,
                                     tail, wait_worker)
 
 LOSS_TOLERANCE = 1e-4          # cpu_vs_device_step: absolute, on the mean loss
@@ -25,7 +26,7 @@ HF_LOGITS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}   # fp32: absolute, as tests/
 # run-to-run differences are the GPU's and not the resume's (see compare_loss_curves).
 NONDETERMINISM_BAND = 2e-2
 CHECKS = ("cpu_vs_device_step", "prepare_data", "train_bf16", "kill_resume_bf16", "depth_sweep", "hf_export",
-          "hf_generate_cache", "hf_logits", "medium_throughput", "medium_compiled")
+          "hf_generate_cache", "hf_logits", "generate_cli", "medium_throughput", "medium_compiled")
 
 
 # ---- small pure helpers (unit-tested) -------------------------------------------------------------------------
@@ -315,6 +316,41 @@ def check_hf_logits(ctx: Context) -> tuple[bool, dict, str]:
                                    for p, row in rows.items())
 
 
+GENERATE_PROMPT = "def main():\n    "
+
+
+def run_generate(ctx: Context, source: list[str]) -> dict:
+    """grt-generate as a user runs it (no --device: CUDA where there is one), greedy; its text (stdout) and the
+    device line it printed (stderr) kept apart."""
+    cmd = cli("grt_megatron.generation", *source, "--prompt", GENERATE_PROMPT, "--max-new-tokens", "20", "--greedy")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=ctx.env, capture_output=True, text=True,
+                              timeout=ctx.clock.timeout(120))
+    except subprocess.TimeoutExpired as err:
+        raise CheckFailed(f"grt-generate {source[0]}: timed out after {err.timeout:.0f} s") from None
+    if proc.returncode != 0:
+        raise CheckFailed(f"grt-generate {source[0]}: exit status {proc.returncode}\n{tail(proc.stderr)}")
+    ran_on = [line for line in proc.stderr.splitlines() if line.startswith("grt-generate: ") and " on " in line]
+    return {"text": proc.stdout, "ran_on": ran_on[0].removeprefix("grt-generate: ") if ran_on else None,
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def check_generate_cli(ctx: Context) -> tuple[bool, dict, str]:
+    """grt-generate from the checkpoint (grt-megatron's model, built on the host and moved) and from the export
+    (transformers, with its cache), both on the device by default: the same greedy text."""
+    checkpoint = run_generate(ctx, ["--checkpoint", str(ctx.need("final_checkpoint", "train_bf16"))])
+    exported = run_generate(ctx, ["--hf", str(ctx.need("hf_dir", "hf_export"))])
+    device = "cuda" if ctx.mode.name == "cuda" else "cpu"
+    on_device = all(r["ran_on"] == f"fp32 on {device}" for r in (checkpoint, exported))
+    same = checkpoint["text"] == exported["text"]
+    detail = {"prompt": GENERATE_PROMPT, "checkpoint": checkpoint, "hf": exported, "texts_equal": same,
+              "expected_device": device}
+    return same and on_device, detail, (f"--checkpoint ({checkpoint['ran_on']}, {checkpoint['seconds']:.0f} s) and "
+                                        f"--hf ({exported['ran_on']}, {exported['seconds']:.0f} s): greedy texts "
+                                        f"{'identical' if same else 'DIFFER'}")
+
+
 # ---- (c) medium throughput --------------------------------------------------------------------------------------
 def measure_medium(ctx: Context, compiled: bool) -> tuple[bool, dict, str]:
     m = ctx.mode
@@ -380,5 +416,6 @@ CHECK_FUNCTIONS: dict[str, Callable[[Context], tuple[bool, dict, str]]] = {
     "cpu_vs_device_step": check_cpu_vs_device_step, "prepare_data": check_prepare_data,
     "train_bf16": check_train_bf16, "kill_resume_bf16": check_kill_resume_bf16, "depth_sweep": check_depth_sweep,
     "hf_export": check_hf_export, "hf_generate_cache": check_hf_generate_cache, "hf_logits": check_hf_logits,
+    "generate_cli": check_generate_cli,
     "medium_throughput": check_medium_throughput, "medium_compiled": check_medium_compiled,
 }
