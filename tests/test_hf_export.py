@@ -202,6 +202,25 @@ def test_grt_generate_gives_the_same_tokens_from_checkpoint_and_export(trained, 
     assert "not a grt-megatron checkpoint" in proc.stderr
 
 
+_CONVERT_IMPORTS = """
+import json, sys
+from grt_megatron.hf import convert
+
+status = convert.main(sys.argv[1:])
+print("CONVERT " + json.dumps([status, [m for m in ("transformers", "megatron") if m in sys.modules]]))
+"""
+
+
+@pytest.mark.parametrize("case", ["missing_checkpoint", "existing_output", "folder_without_config"])
+def test_grt_convert_hf_checks_its_paths_before_the_heavy_imports(trained, exported, tmp_path, case):
+    """A mistyped path fails in about a second: before transformers and megatron-core are imported."""
+    args = {"missing_checkpoint": ["--checkpoint", str(tmp_path / "nothing"), "--output", str(tmp_path / "x")],
+            "existing_output": ["--checkpoint", str(trained["tp2"]), "--output", str(exported["tp2"])],
+            "folder_without_config": ["--from-hf", str(tmp_path), "--output", str(tmp_path / "ckpt")]}[case]
+    status, imported = json_from_fresh_process(_CONVERT_IMPORTS, args, "CONVERT ", timeout=120)
+    assert status == 2 and imported == []
+
+
 def test_grt_generate_loads_a_checkpoint_in_bf16_within_bf16s_rounding(world, trained):
     """`grt-generate --dtype bf16` builds the framework model in bf16 (weights and activations) from any
     layout's checkpoint; its logits stay within the HF export's bf16 tolerance of fp32's."""

@@ -173,6 +173,16 @@ def test_report_shows_the_depth_probe_by_k_and_by_r(tmp_path):
     assert (out / "probe_accuracy.png").exists() and not (out / "probe_vs_r.png").exists()
 
 
+BAD_PATH_IMPORTS = """
+import json, sys
+from grt_megatron import report
+try:
+    report.main(sys.argv[1:])
+except SystemExit as stop:
+    print(json.dumps({"status": stop.code, "imported": [m for m in ("matplotlib", "megatron") if m in sys.modules]}))
+"""
+
+
 def test_report_names_the_bad_file(tmp_path):
     fake_run(tmp_path / "running", "grt", 1, [])  # no evaluation yet: left out, not an error
     assert find_runs([tmp_path / "running"]) == []
@@ -181,9 +191,11 @@ def test_report_names_the_bad_file(tmp_path):
         f.write("{not json\n")
     with pytest.raises(ReportError, match=r"metrics.jsonl:3: not a JSON record"):
         find_runs([tmp_path / "run"])
-    result = subprocess.run([sys.executable, "-m", "grt_megatron.report", str(tmp_path / "nothing"), "--output",
+    # The CLI checks the paths before it imports matplotlib and megatron (seconds on a cold start).
+    result = subprocess.run([sys.executable, "-c", BAD_PATH_IMPORTS, str(tmp_path / "nothing"), "--output",
                              str(tmp_path / "out")], capture_output=True, text=True)
-    assert result.returncode == 2 and "nothing: no such run directory" in result.stderr
+    assert result.stderr.strip().splitlines() == [f"grt-report: error: {tmp_path / 'nothing'}: no such run directory"]
+    assert json.loads(result.stdout) == {"status": 2, "imported": []}
     assert not (tmp_path / "out").exists()
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReportError, match="holds no run"):

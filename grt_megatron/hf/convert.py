@@ -255,6 +255,15 @@ def _save_tokenizer(checkpoint: Path, state: dict, out: Path, max_length: int) -
             "pad_token_id": tok.pad_token_id}
 
 
+def check_paths(output: Path, hf_dir: Path | None = None) -> None:
+    """What either direction refuses before reading anything: an existing `--output`, and for an import a
+    `--from-hf` folder without config.json."""
+    if output.exists():
+        raise CheckpointError(f"--output {output} exists; refusing to overwrite it")
+    if hf_dir is not None and not (hf_dir / "config.json").is_file():
+        raise CheckpointError(f"--from-hf {hf_dir}: no config.json (not a Hugging Face model folder)")
+
+
 def export_checkpoint(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: str = "2GB",
                       progress: bool = True) -> Path:
     from transformers import GenerationConfig
@@ -263,8 +272,7 @@ def export_checkpoint(checkpoint: Path, output: Path, dtype: str = "fp32", max_s
     from grt_megatron.hf.modeling_grt import GENERATION_OPTIONS
 
     output = Path(output)
-    if output.exists():
-        raise CheckpointError(f"--output {output} exists; refusing to overwrite it")
+    check_paths(output)
     if dtype not in _DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     plain, _ = consolidate(Path(checkpoint), progress=progress)
@@ -305,10 +313,7 @@ def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
     from grt_megatron.model import GRTConfig
 
     hf_dir, output = Path(hf_dir), Path(output)
-    if output.exists():
-        raise CheckpointError(f"--output {output} exists; refusing to overwrite it")
-    if not (hf_dir / "config.json").is_file():
-        raise CheckpointError(f"--from-hf {hf_dir}: no config.json (not a Hugging Face model folder)")
+    check_paths(output, hf_dir=hf_dir)
     config = AutoConfig.from_pretrained(str(hf_dir), trust_remote_code=True)
     if getattr(config, "model_type", None) != "grt":
         raise CheckpointError(f"--from-hf {hf_dir}: model_type {getattr(config, 'model_type', None)!r} is not 'grt'")
@@ -385,10 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="2GB")
     args = parser.parse_args(argv)
     quiet_known_warnings()
-    import_frozen("transformers", "grt_megatron.model")  # both directions build both models
     try:
+        # The paths first: a mistyped one fails in a second, not after transformers and megatron are imported.
         if args.checkpoint:
+            check_paths(Path(args.output))
             source = resolve_export_source(Path(args.checkpoint))
+        else:
+            check_paths(Path(args.output), hf_dir=Path(args.from_hf))
+        import_frozen("transformers", "grt_megatron.model")  # both directions build both models
+        if args.checkpoint:
             out = export_checkpoint(source, Path(args.output), args.dtype, args.max_shard_size)
             print(f"exported {source} -> {out}")
         else:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from grt_megatron.files import write_atomic
-from grt_megatron.report.load import ReportError, Run, find_runs, load_run
+from grt_megatron.report.load import ReportError, Run, find_run_dirs, find_runs, load_run, load_runs
 from grt_megatron.report.markdown import fmt_mean_std, markdown
 from grt_megatron.report.plots import (
     plot_delta_vs_dense,
@@ -57,10 +57,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories, or folders holding them")
     parser.add_argument("--output", type=Path, required=True, help="folder for report.md, summary.json, plots")
     args = parser.parse_args(argv)
-    import_frozen("matplotlib", "grt_megatron.model")  # for the plots (pyplot once its backend is set), the FLOPs
     command = "grt-report " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
-        runs = find_runs(args.runs)
+        dirs = find_run_dirs(args.runs)  # a mistyped path fails in a second, before the imports below
+        import_frozen("matplotlib", "grt_megatron.model")  # for the plots (pyplot once its backend is set), the FLOPs
+        runs = load_runs(dirs)
         rows = write_report(runs, args.output, command)
     except ReportError as err:
         print(f"grt-report: error: {err}", file=sys.stderr)

@@ -165,6 +165,11 @@ def load_run(path: Path) -> Optional[Run]:
 
 
 def find_runs(paths: list[Path]) -> list[Run]:
+    return load_runs(find_run_dirs(paths))
+
+
+def find_run_dirs(paths: list[Path]) -> list[Path]:
+    """The run directories named or held by `paths` (the filesystem only: quick, before any heavy import)."""
     dirs: list[Path] = []
     for p in paths:
         if not p.exists():
@@ -176,8 +181,13 @@ def find_runs(paths: list[Path]) -> list[Run]:
         if not found:
             raise ReportError(f"{p}: holds no run (no run_info.json with a metrics.jsonl beside it)")
         dirs.extend(found)
+    return list(dict.fromkeys(dirs))
+
+
+def load_runs(dirs: list[Path]) -> list[Run]:
+    """Each run directory's run; one without an evaluation yet is skipped, saying so."""
     runs = []
-    for d in dict.fromkeys(dirs):
+    for d in dirs:
         run = load_run(d)
         if run is None:
             print(f"grt-report: skipping {d}: no evaluation yet", file=sys.stderr)
