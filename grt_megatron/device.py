@@ -31,7 +31,7 @@ def inference_device(requested: Optional[str]) -> torch.device:
     `cuda:N`), by default CUDA where it is available, as grt-eval and transformers' pipelines do. A device
     this machine lacks is refused with the reason (ValueError), not replaced by another."""
     if requested is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(requested)
     except RuntimeError:
@@ -43,6 +43,8 @@ def inference_device(requested: Optional[str]) -> torch.device:
             raise ValueError(f"--device {requested}: CUDA is not available on this machine")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {requested}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        if device.index is None:  # torch.cuda.set_device refuses a device without an index
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

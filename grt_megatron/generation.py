@@ -54,7 +54,7 @@ def load_checkpoint_model(path: Path, device: torch.device, dtype: str = "fp32")
     """The framework model of checkpoint `path` (any layout's, merged into one process) in evaluation mode,
     on `device`, its weights in `dtype` (fp32 or bf16). The caller has started the process group (a world
     of one, `init_distributed`) on that device."""
-    from grt_megatron.checkpoint.consolidate import consolidate
+    from grt_megatron.checkpoint.consolidate import consolidate, load_weights
     from grt_megatron.checkpoint.store import inspect_checkpoint
     from grt_megatron.model import GRTConfig, GRTLanguageModel
 
@@ -62,7 +62,7 @@ def load_checkpoint_model(path: Path, device: torch.device, dtype: str = "fp32")
     recipe = inspect_checkpoint(path).state["model"]
     # Built on the host (megatron's CPU initialisation) and moved whole, as DeepSpeed moves a training model.
     model = GRTLanguageModel(GRTConfig.from_recipe(recipe, precision="bf16" if dtype == "bf16" else "fp32"))
-    model.load_state_dict(tensors, strict=True)
+    load_weights(model, tensors)
     return model.to(device).eval()
 
 

@@ -230,7 +230,10 @@ def test_inference_device_defaults_to_cuda_where_present_and_refuses_what_is_mis
             inference_device(bad)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert inference_device(None) == torch.device("cuda") and inference_device("cuda:1") == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # Always with an index: torch.cuda.set_device(torch.device("cuda")) raises.
+    assert inference_device(None) == inference_device("cuda") == torch.device("cuda", 0)
+    assert inference_device("cuda:1") == torch.device("cuda", 1)
     with pytest.raises(ValueError, match="this machine has 2 CUDA device"):
         inference_device("cuda:2")
 
@@ -244,3 +247,57 @@ def test_hide_cuda_refuses_when_torch_already_saw_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # torch had counted the GPUs already
     with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES= instead"):
         hide_cuda()
+
+
+# ---- checkpoints across device kinds ------------------------------------------------------------------------
+def test_rng_states_drawn_on_another_kind_of_device_are_not_set(world, tmp_path):
+    """megatron's tracker holds CPU generator states here and CUDA Philox states (16 bytes) on a GPU; one
+    cannot be set into the other, so a checkpoint resumed on the other kind of device is reseeded."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from grt_megatron.checkpoint.rng import capture_rng, restore_rng, rng_fits_this_device
+
+    here = tmp_path / "rng_here.safetensors"
+    here.write_bytes(capture_rng())
+    assert rng_fits_this_device(here)
+    restore_rng(here)
+    with safe_open(str(here), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    assert any(k.startswith("tracker/") for k in tensors)
+    gpu = {k: (torch.zeros(16, dtype=torch.uint8) if k.startswith("tracker/") else v) for k, v in tensors.items()}
+    written_on_a_gpu = tmp_path / "rng_gpu.safetensors"
+    save_file(gpu, str(written_on_a_gpu), metadata=metadata)
+    assert not rng_fits_this_device(written_on_a_gpu)
+    with pytest.raises(RuntimeError):  # what resuming used to do: set them anyway, and fail at the first fork
+        restore_rng(written_on_a_gpu)
+        from megatron.core import tensor_parallel
+
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            pass
+    restore_rng(here)  # leave this process's tracker as it was
+
+
+def test_load_weights_allows_only_transformer_engines_extra_state_to_be_missing(world):
+    """Checkpoints hold parameters; Transformer Engine's layers also list `_extra_state` (FP8 metadata)."""
+    from grt_megatron.checkpoint.consolidate import load_weights
+    from grt_megatron.checkpoint.store import CheckpointError
+    from grt_megatron.model import GRTLanguageModel
+
+    class WithExtraState(torch.nn.Module):  # what a TE module adds to the state dict
+        def get_extra_state(self):
+            return torch.zeros(0)
+
+        def set_extra_state(self, state):
+            pass
+
+    source = GRTLanguageModel(_experiment_config("grt_isoflops", []), init_seed=1)
+    tensors = {k: v.clone() for k, v in source.named_parameters()}
+    model = GRTLanguageModel(_experiment_config("grt_isoflops", []), init_seed=2)
+    model.final_norm.te_like = WithExtraState()
+    assert "final_norm.te_like._extra_state" in model.state_dict()
+    load_weights(model, tensors)
+    assert all(torch.equal(p, tensors[n]) for n, p in model.named_parameters())
+    del tensors["final_norm.weight"]
+    with pytest.raises(CheckpointError, match=r"missing \['final_norm.weight'\], unexpected \[\]"):
+        load_weights(model, tensors)

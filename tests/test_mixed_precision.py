@@ -63,6 +63,25 @@ def test_bf16_mixed_trains_like_fp32_with_fp32_state_and_bf16_matmuls(world):
         assert fp32_engine.module(tokens).dtype == torch.float32
 
 
+def test_bf16_mixed_rounds_the_layers_residual_stream_and_keeps_the_recurrence_state_fp32(world):
+    """What bf16-mixed keeps in fp32, as the docs say: megatron-core's bias-dropout-add casts the residual to
+    the sublayer output's dtype, so without linear biases (every recipe) each layer hands on bf16, as in
+    bf16; the recurrence's state is carried in fp32 from step to step (model/recurrent_block.py)."""
+    from grt_megatron.model import GRTLanguageModel
+    from grt_megatron.parallel.mixed_precision import apply_mixed_precision
+
+    model = GRTLanguageModel(tiny_config())
+    apply_mixed_precision(model, "bf16-mixed", torch.device("cpu"))
+    layer_outputs, states = [], []
+    for layer in model.block.layers:
+        layer.register_forward_hook(lambda module, args, out: layer_outputs.append(out[0].dtype))
+    model.block.register_step_hook(lambda h, h_new, g, **extra: states.append((h.dtype, h_new.dtype)))
+    with torch.no_grad():
+        model(_rows(0)[:2, :-1])
+    assert layer_outputs and set(layer_outputs) == {torch.bfloat16}
+    assert len(states) == model.config.recurrences and set(states) == {(torch.float32, torch.float32)}
+
+
 @pytest.mark.parametrize("max_norm", [math.inf, 1.0, 0.01])
 def test_clip_grad_norm_matches_deepspeeds_bit_for_bit(world, max_norm):
     """The device-side clipping (one `_foreach_norm`, the scale applied without a host comparison) gives

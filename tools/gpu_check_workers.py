@@ -54,7 +54,9 @@ def worker_step(args) -> dict:
                     f"model.max_sequence_length={seq}", "train.precision=fp32"])
     config = run.model_config(vocab)
     model = GRTLanguageModel(config, init_seed=0)  # built on CPU (use_cpu_initialization): same seed, same weights
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    # Parameters, not the state dict: with Transformer Engine (the device's `auto` spec) it also holds each
+    # layer's `_extra_state`, which the CPU side's local layers do not have.
+    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
     model = model.to(info.device).train()
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(info.device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -78,7 +80,7 @@ def worker_hf(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grt_megatron.checkpoint.consolidate import consolidate
+    from grt_megatron.checkpoint.consolidate import consolidate, load_weights
     from grt_megatron.checkpoint.store import inspect_checkpoint
     from grt_megatron.distributed import init_distributed
     from grt_megatron.model import GRTConfig, GRTLanguageModel
@@ -98,7 +100,7 @@ def worker_hf(args) -> dict:
     logits = {}
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         framework = GRTLanguageModel(GRTConfig.from_recipe(recipe, precision=precision))
-        framework.load_state_dict(tensors, strict=True)
+        load_weights(framework, tensors)
         framework = framework.to(info.device).eval()  # a bf16 model is bf16 throughout (language_model.py)
         with torch.no_grad():
             want = framework(tokens).float()

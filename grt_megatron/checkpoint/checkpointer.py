@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors import SafetensorError, safe_open
 
-from grt_megatron.checkpoint.rng import capture_rng, restore_rng
+from grt_megatron.checkpoint.rng import capture_rng, restore_rng, rng_fits_this_device
 from grt_megatron.checkpoint.state import (
     MOMENTS,
     VOCAB_TENSORS,
@@ -416,8 +416,10 @@ def load_checkpoint(path: Path, engine, pipelined: bool, padded_vocab_size: int,
             optimizer.set(p, key, local.to(p.device))
     optimizer.set_step_count(int(state["optimizer_steps"]))
     _restore_schedule(engine, state)
-    # An imported checkpoint has no RNG states; every rank must agree on whether they are restored.
-    restored = device_tensor([int(restore_rngs and (path / rng_name(dist.get_rank())).is_file())])
+    # An imported checkpoint has no RNG states, and states drawn on another kind of device (a CPU checkpoint
+    # resumed on a GPU) do not fit this one's generators; every rank must agree on whether they are restored.
+    rng_file = path / rng_name(dist.get_rank())
+    restored = device_tensor([int(restore_rngs and rng_file.is_file() and rng_fits_this_device(rng_file))])
     dist.all_reduce(restored, op=dist.ReduceOp.MIN)
     if restored.item():
         restore_rng(path / rng_name(dist.get_rank()))

@@ -16,6 +16,17 @@ from grt_megatron.checkpoint.store import CheckpointError, inspect_checkpoint
 from grt_megatron.model import GRTConfig
 
 
+def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """`consolidate`'s tensors into a one-process model, every parameter required. Transformer Engine's layers
+    (the GPU's `auto` spec) also list an `_extra_state` entry (FP8 metadata) that checkpoints do not hold,
+    since they save parameters only: those alone may be missing."""
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [name for name in missing if not name.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint and model disagree: missing {sorted(missing)}, "
+                              f"unexpected {sorted(unexpected)}")
+
+
 def consolidate(checkpoint: Path, with_optimizer: bool = False, progress: bool = True) -> tuple[dict, dict]:
     """(state dict, metadata): whole fp32 tensors named as in a one-process `GRTLanguageModel`
     (vocabulary padding as for TP 1), optionally with Adam moments as `exp_avg/NAME`, `exp_avg_sq/NAME`."""

@@ -34,6 +34,17 @@ def capture_rng() -> bytes:
     return save_tensors(tensors, metadata=meta)
 
 
+def rng_fits_this_device(path) -> bool:
+    """Whether `path`'s megatron tracker states can be set here. They are the generator states of the device
+    that drew them: a CUDA Philox state (16 bytes) on a GPU, a CPU generator's (5,056 bytes) under the CPU
+    shim, and neither can be set into the other (torch: "RNG state is wrong size"). A checkpoint written on
+    one kind of device and resumed on the other is reseeded instead, as a changed layout is."""
+    with safe_open(str(path), framework="pt") as f:
+        saved = {k.split("/", 1)[1]: list(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("tracker/")}
+    current = {name: list(state.shape) for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+    return all(current.get(name, shape) == shape for name, shape in saved.items())
+
+
 def restore_rng(path) -> None:
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata()
