@@ -62,3 +62,28 @@ def test_layout_check_counts_pipeline_units():
         validate_layout(world_size=8, pp=8, model=model, **common)
     dense = dict(model, prelude_layers=0, coda_layers=0, core_layers=6, recurrences=1, gate="none", injection="none")
     assert validate_layout(world_size=8, pp=8, model=dense, **common) == 1  # dense layers are units each
+
+
+def test_a_stage_reads_each_micro_batchs_seeds_and_depth_once(world):
+    """Seeds and depth arrive on a stage as device tensors; reading them is a device sync. A stage's units
+    share one read per micro-batch (parallel/pipeline.py HostCopy) instead of a sync per unit, with the
+    same result as reading them in every unit."""
+    from grt_megatron.training.host_waits import HostWaitCounter
+
+    cfg = tiny_config(prelude_layers=2, core_layers=1, coda_layers=2, recurrences=3)
+    stage = [PipelineUnit(cfg, 7, "layer", 0), PipelineUnit(cfg, 7, "layer", 1), PipelineUnit(cfg, 7, "core"),
+             PipelineUnit(cfg, 7, "layer", 3), PipelineUnit(cfg, 7, "layer", 4)]
+
+    def run(batch: int):  # one micro-batch through the stage, as DeepSpeed's engine hands it on
+        g = torch.Generator().manual_seed(batch)
+        outputs = (torch.randn(16, 2, cfg.hidden_size, generator=g), torch.tensor([batch, batch + 1]),
+                   torch.tensor([3, 2]))
+        for unit in stage:
+            outputs = unit.train()(outputs)
+        return outputs[0]
+
+    with HostWaitCounter() as counter:
+        first, second = run(0), run(1)
+    assert counter.reads == 4  # (seeds, depth) once per micro-batch, not once per unit (10)
+    again = run(0)  # new tensors with micro-batch 0's values: read afresh, same result
+    assert torch.equal(again, first) and not torch.equal(first, second)

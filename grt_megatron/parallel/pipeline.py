@@ -15,6 +15,7 @@ the head. Stages take contiguous units, balanced by layer executions (the core c
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -28,6 +29,26 @@ from grt_megatron.model.layers import StepInputs, run_layers
 from grt_megatron.parallel.layout import check_pipeline_stages, pipeline_unit_costs
 
 TIED_WEIGHT = "embedding.word_embeddings.weight"
+
+
+class HostCopy:
+    """A small tensor's values on the host, read once per tensor. The seeds and the depth travel between
+    stages as device tensors (DeepSpeed sends tensors only) and every unit of a stage needs them as Python
+    numbers; reading them is a device sync, so each stage reads a micro-batch's once (its first unit) and its
+    later units reuse that, instead of a sync per unit that idles the GPU between them."""
+
+    def __init__(self) -> None:
+        self._source: Optional[weakref.ref] = None
+        self._values: list = []
+
+    def __call__(self, tensor: torch.Tensor) -> list:
+        if self._source is None or self._source() is not tensor:
+            self._values, self._source = tensor.tolist(), weakref.ref(tensor)
+        return self._values
+
+
+# One per process (a stage's units run in one): the units hand the same seed and depth tensors on.
+HOST_SEEDS, HOST_DEPTH = HostCopy(), HostCopy()
 
 
 class PipelineUnit(GRTLanguageModel):
@@ -58,7 +79,7 @@ class PipelineUnit(GRTLanguageModel):
             s *= parallel_state.get_tensor_model_parallel_world_size()
         rope = self.rotary_pos_emb(s) if self.rotary_pos_emb is not None else None
         mask = attention_mask_of(self.config, documents[0] if documents else None)
-        return StepInputs(mask, rope, seeds.tolist())
+        return StepInputs(mask, rope, HOST_SEEDS(seeds))
 
     def forward(self, inputs):
         if self.unit == "embedding":
@@ -71,7 +92,7 @@ class PipelineUnit(GRTLanguageModel):
         hidden, seeds, depth, *documents = inputs
         step = self._step_inputs(hidden, seeds, documents)
         if self.unit == "core":
-            r, grad_r = (int(v) for v in depth.tolist())
+            r, grad_r = (int(v) for v in HOST_DEPTH(depth))
             hidden = self.block.run_core(hidden, step, r, grad_r)
         else:
             hidden = run_layers([self.block.layers[self.layer]], hidden, step)

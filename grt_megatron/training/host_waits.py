@@ -34,6 +34,29 @@ class HostWaitCounter(TorchDispatchMode):
         self._work_since_read = False
         self._host_resident = {t.data_ptr() for t in host_resident}
 
+    def __enter__(self):
+        # `Tensor.tolist` reads the values without going through the dispatcher (no `_local_scalar_dense`), so
+        # the mode alone would not see it; it waits for the device as `.item()` does.
+        self._own_tolist = torch.Tensor.__dict__.get("tolist")  # None: inherited from torch._C.TensorBase
+        counter, tolist = self, torch.Tensor.tolist
+
+        def counted_tolist(tensor):
+            if tensor.data_ptr() not in counter._host_resident:
+                counter.reads += 1
+                counter.waits += counter._work_since_read
+                counter._work_since_read = False
+            return tolist(tensor)
+
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._own_tolist is None:
+            del torch.Tensor.tolist
+        else:
+            torch.Tensor.tolist = self._own_tolist
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._local_scalar_dense.default:
