@@ -60,6 +60,16 @@ def test_refused_run_leaves_the_old_record_alone_and_finished_resume_says_so(pyd
     assert "nan" not in finished.stdout
     assert (run_dir / "metrics.jsonl").read_text() == metrics
 
+    # A resume refused after the run directory was claimed (here its data is missing) leaves the record (the
+    # accepted resume's, just written) as it was.
+    record = {name: (run_dir / ".hydra" / name).read_text() for name in record}
+    refused = run_cli([*_args(tmp_path / "nothing", 4, ["seed=1", "resume=auto"]), f"run.dir={run_dir}"])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert {name: (run_dir / ".hydra" / name).read_text() for name in record} == record
+    # A new run directory refused at that point is taken away again: nothing is left behind.
+    new = run_cli([*_args(tmp_path / "nothing", 2), f"run.dir={tmp_path / 'new' / 'run'}"])
+    assert new.returncode == 2 and not (tmp_path / "new" / "run").exists(), new.stderr[-2000:]
+
 
 def test_settings_refused_before_anything_is_written(tmp_path):
     # One refused setting stands for all: build_run_config refuses them before run.dir is made

@@ -65,38 +65,60 @@ class RunLock:
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
         self._fd = fd
 
+    created_dir = False
+    """Whether `claim_run_dir` created `run_dir` (a refused run then takes it away again)."""
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
+    def release_refused(self) -> None:
+        """Release after a refusal: a directory this run created and left holding only the lock file is
+        removed, so that a refused run leaves nothing behind."""
+        self.release()
+        if self.created_dir:
+            try:
+                if [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
+                    self.path.unlink()
+                    self.run_dir.rmdir()
+            except OSError:
+                pass  # another process may have started in it meanwhile: leave it
 
-def claim_run_dir(run_dir: Path, resume: Optional[str], config_yaml: Optional[str],
-                  overrides: Optional[list[str]]) -> RunLock:
-    """Rank 0, before anything else touches `run_dir`: create it, lock it, refuse a second run in it, and
-    only then record the run's config. Raises ConfigError (one line) and writes nothing on refusal (the
-    lock file aside, which holds no run's data)."""
+
+def claim_run_dir(run_dir: Path, resume: Optional[str]) -> RunLock:
+    """Rank 0, before anything else touches `run_dir`: create it, lock it and refuse a second run in it.
+    Raises ConfigError (one line) and writes nothing on refusal (the lock file aside, which holds no run's
+    data). The run's config is recorded later (`record_run`), once every check has passed."""
     run_dir = Path(run_dir)
+    created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"run.dir={str(run_dir)!r} cannot be created ({os.strerror(err.errno)})") from None
     lock = RunLock(run_dir)
+    lock.created_dir = created
     lock.acquire()
     try:
         if (run_dir / "metrics.jsonl").exists() and resume is None:
             raise ConfigError(f"run.dir={str(run_dir)!r} already holds a run (metrics.jsonl): pass resume=auto "
                               "to continue it, or choose a new run.dir")
-        try:
-            if config_yaml is not None:
-                write_atomic(run_dir / ".hydra" / "config.yaml", config_yaml)
-            if overrides is not None:
-                write_atomic(run_dir / ".hydra" / "overrides.yaml",
-                              "".join(f"- {json.dumps(o)}\n" for o in overrides))
-        except OSError as err:
-            raise ConfigError(f"run.dir={str(run_dir)!r} is not writable ({os.strerror(err.errno)})") from None
     except BaseException:
-        lock.release()
+        lock.release_refused()
         raise
     return lock
+
+
+def record_run(run_dir: Path, config_yaml: Optional[str], overrides: Optional[list[str]]) -> None:
+    """Rank 0, once the run is accepted (every config, data and resume check passed): `.hydra/`'s record
+    of the composed config and the command-line overrides. A refused run, a resume refused included, leaves
+    an existing record as it was."""
+    try:
+        if config_yaml is not None:
+            write_atomic(Path(run_dir) / ".hydra" / "config.yaml", config_yaml)
+        if overrides is not None:
+            write_atomic(Path(run_dir) / ".hydra" / "overrides.yaml",
+                          "".join(f"- {json.dumps(o)}\n" for o in overrides))
+    except OSError as err:
+        raise ConfigError(f"run.dir={str(run_dir)!r} is not writable ({os.strerror(err.errno)})") from None
 
