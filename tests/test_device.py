@@ -190,7 +190,8 @@ def test_running_off_the_host_finds_a_tensor_made_on_the_host(world):
         model(tokens[:, :-1], tokens[:, 1:])
 
 
-@pytest.mark.parametrize("experiment,extra", [("grt_isoflops", []), ("grt_isoflops", ["++model.position_embedding=rope"]),
+@pytest.mark.parametrize("experiment,extra", [("grt_isoflops", []),
+                                              ("grt_isoflops", ["++model.position_embedding=rope"]),
                                               ("grt_isoflops", ["++model.injection=add"]), ("dense", []),
                                               ("ouro_isoflops", []), ("rrt_isoflops", []),
                                               ("ablation_no_reinjection", [])])
@@ -215,7 +216,8 @@ def test_the_exported_model_runs_off_the_host(world, experiment, extra):
             assert model(ids, use_cache=False, exit_threshold=0.5).logits.device.type == "meta"
     model.train()
     model(ids, labels=ids, use_cache=False).loss.backward()
-    without = {n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or p.grad.device.type != "meta")}
+    without = {n for n, p in model.named_parameters()
+               if p.requires_grad and (p.grad is None or p.grad.device.type != "meta")}
     # The `labels` loss is the last step's cross-entropy (the framework's `loss`): Ouro's exit head has no part in it.
     assert without == ({"model.exit_head.weight", "model.exit_head.bias"} if model.config.exit_head else set())
 

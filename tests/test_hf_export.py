@@ -28,7 +28,8 @@ def trained(pydoc_prefix, tmp_path_factory):
                          ("pp2", ["parallel.pp=2", "deepspeed.zero_stage=1"])):
         run_dir = tmp_path_factory.mktemp(name) / "run"
         proc = run_cli(["model=tiny", "model.core_layers=2", "model.recurrences=3", f"data={pydoc_prefix[0]}",
-                        "train.iters=3", "train.lr=1e-5", "train.global_batch_size=4", "train.micro_batch_size=2",
+                        "train.iters=3", "train.lr=1e-5", "train.min_lr=1e-6", "train.global_batch_size=4",
+                        "train.micro_batch_size=2",
                         "train.eval_iters=1", *QUIET, *layout, f"run.dir={run_dir}"],
                        launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                                  f"--master_port={next(PORT)}"])

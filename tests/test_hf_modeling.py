@@ -44,7 +44,8 @@ ids = torch.randint(3, 2048, (2, 12), generator=torch.Generator().manual_seed(0)
 @pytest.fixture(scope="module")
 def run_dir(pydoc_prefix, tmp_path_factory):
     run = tmp_path_factory.mktemp("modeling") / "run"
-    proc = run_cli([*SHAPE, f"data={pydoc_prefix[0]}", "train.iters=2", "train.lr=1e-5", "train.global_batch_size=4",
+    proc = run_cli([*SHAPE, f"data={pydoc_prefix[0]}", "train.iters=2", "train.lr=1e-5", "train.min_lr=1e-6",
+                    "train.global_batch_size=4",
                     "train.micro_batch_size=2", "train.eval_iters=1", "logging.wandb=disabled",
                     "logging.progress=false", f"run.dir={run}"])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -137,6 +137,15 @@ def test_bad_input_is_one_clear_line(tmp_path, args, needle):
     (["model.hidden_size=-128"], "model.hidden_size must be >= 1, got -128"),
     (["train.skip_loss_spikes=true"], "train.skip_loss_spikes=true needs train.loss_spike_factor"),
     (["train.fused_adam=true", "train.optimizer=deepspeed"], "train.fused_adam=true applies to train.optimizer=torch"),
+    # Once accepted in silence: a run at another length than recorded, an LR that climbs, negative MFU.
+    (["train.seq_length=0"], "train.seq_length must be >= 1 (or null: model.max_sequence_length), got 0"),
+    (["train.lr=0.001", "train.min_lr=0.05"], "train.min_lr=0.05 is not valid: it must be a finite number >= 0 "
+                                              "and <= train.lr=0.001"),
+    (["logging.peak_tflops=-1"], "logging.peak_tflops must be a finite number > 0"),
+    (["data.train_samples=0"], "data.train_samples must be >= 1"),
+    (["train.sample_tokens=-5"], "train.sample_tokens must be >= 0"),
+    (["seed=-1"], "seed must be in [0, 2**32), got -1"),
+    (["data.valid_seed=-1"], "data.valid_seed must be in [0, 2**32), got -1"),
 ])
 def test_bad_setting_is_refused_by_the_run_config(args, needle):
     """The settings grt-train refuses through `build_run_config` (the ConfigError it prints as its one line,

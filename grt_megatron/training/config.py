@@ -313,7 +313,8 @@ def check_optimizer_settings(t: TrainConfig, pp: int) -> None:
     (torch would refuse some with a traceback at the optimizer's construction, others never)."""
     checks = [
         ("lr", t.lr, _finite(t.lr, 0, low_open=True), "a finite number > 0"),
-        ("min_lr", t.min_lr, _finite(t.min_lr, 0), "a finite number >= 0"),
+        ("min_lr", t.min_lr, _finite(t.min_lr, 0) and t.min_lr <= t.lr,
+         f"a finite number >= 0 and <= train.lr={t.lr:g} (the schedule decays from lr to min_lr)"),
         ("beta1", t.beta1, _finite(t.beta1, 0, 1, high_open=True), "in [0, 1)"),
         ("beta2", t.beta2, _finite(t.beta2, 0, 1, high_open=True), "in [0, 1)"),
         ("adam_eps", t.adam_eps, _finite(t.adam_eps, 0, low_open=True), "a finite number > 0"),
@@ -389,6 +390,19 @@ def build_run_config(cfg: DictConfig | dict, world_size: Optional[int] = None) -
         if getattr(t, key) is not None and getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
     check_optimizer_settings(t, run.parallel.pp)
+    if t.seq_length is not None and t.seq_length < 1:
+        raise ConfigError(f"train.seq_length must be >= 1 (or null: model.max_sequence_length), got {t.seq_length}")
+    if t.sample_tokens < 0:
+        raise ConfigError(f"train.sample_tokens must be >= 0 (0: no sample), got {t.sample_tokens}")
+    if run.data.train_samples is not None and run.data.train_samples < 1:
+        raise ConfigError(f"data.train_samples must be >= 1 (or null: enough for train.iters), got "
+                          f"{run.data.train_samples}")
+    for key, value in (("seed", run.seed), ("data.valid_seed", run.data.valid_seed)):
+        if value is not None and not 0 <= value < 2**32:  # numpy's seeds
+            raise ConfigError(f"{key} must be in [0, 2**32), got {value}")
+    peak = run.logging.peak_tflops
+    if peak is not None and not _finite(peak, 0, low_open=True):
+        raise ConfigError(f"logging.peak_tflops must be a finite number > 0 (or null: the device's), got {peak}")
     if t.depth_sweep is not None and t.depth_sweep < 0:
         raise ConfigError(f"train.depth_sweep must be >= 0, got {t.depth_sweep}")
     if t.exit_interval is not None and t.exit_interval < 1:
