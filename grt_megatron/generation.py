@@ -136,6 +136,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the weights' and activations' dtype")
     args = parser.parse_args(argv)
+    # Values the model would take in silence (a temperature of 0 decoding greedily, R = 0 the trained R) or
+    # refuse with a traceback: refused here, with the flag's name.
+    problems = [f"{flag} {value}: {rule}" for flag, value, ok, rule in (
+        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, "must be >= 1"),
+        ("--temperature", args.temperature, args.greedy or args.temperature > 0, "must be > 0 (or pass --greedy)"),
+        ("--top-k", args.top_k, args.top_k >= 0, "must be >= 0 (0: no top-k)"),
+        ("--num-recurrences", args.num_recurrences, args.num_recurrences is None or args.num_recurrences >= 1,
+         "must be >= 1"),
+        ("--exit-threshold", args.exit_threshold, args.exit_threshold is None or args.exit_threshold > 0,
+         "must be > 0"),
+        ("--kv-cache", args.kv_cache, args.kv_cache is None or args.hf is not None,
+         "applies to --hf (a checkpoint's model has no cache)"))
+        if not ok]
+    if problems:
+        print(f"grt-generate: error: {problems[0]}", file=sys.stderr)
+        return 2
     from grt_megatron.device import cpu_has_fast_bf16_matmuls, hide_cuda, inference_device
 
     try:

@@ -256,3 +256,20 @@ def test_grt_convert_hf_freezes_its_imports_and_writes_the_same_folder(trained, 
     assert status == 0 and enabled and frozen > 100_000
     got, want = load_file(str(out / "model.safetensors")), load_file(str(exported["tp2"] / "model.safetensors"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens -1: must be >= 1"),
+    (["--temperature", "0"], "--temperature 0.0: must be > 0 (or pass --greedy)"),
+    (["--top-k", "-3"], "--top-k -3: must be >= 0 (0: no top-k)"),
+    (["--num-recurrences", "0"], "--num-recurrences 0: must be >= 1"),
+    (["--exit-threshold", "-1"], "--exit-threshold -1.0: must be > 0"),
+    (["--kv-cache", "average"], "--kv-cache average: applies to --hf (a checkpoint's model has no cache)"),
+])
+def test_grt_generate_refuses_what_it_used_to_take_in_silence(tmp_path, capsys, args, message):
+    """A temperature of 0 without --greedy decoded greedily, R = 0 ran the trained R, a negative top-k was
+    a traceback: each is one line naming the flag, exit 2, before anything is loaded."""
+    from grt_megatron.generation import main
+
+    assert main(["--checkpoint", str(tmp_path), *args]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"grt-generate: error: {message}"]
