@@ -83,14 +83,25 @@ def test_jsonl_and_parquet(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["one", None, "two"], "n": [1, 2, 3]}), tmp_path / "c.parquet")
-    assert load_documents(str(tmp_path / "c.parquet")) == ["one", "two"]
+    # A null is a bad record (it used to vanish uncounted): refused naming the row, or skipped and counted.
+    with pytest.raises(DataError, match=r"c\.parquet: row 2: 'text' is null, not a string"):
+        load_documents(str(tmp_path / "c.parquet"))
+    stats = SourceStats()
+    assert list(iter_documents(str(tmp_path / "c.parquet"), SourcePolicy(on_bad_record="skip"), stats)) == ["one", "two"]
+    assert stats.skipped_records == 1
     with pytest.raises(DataError, match="no column 'body'"):
         load_documents(str(tmp_path / "c.parquet"), SourcePolicy(text_key="body"))
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
+    with pytest.raises(DataError, match=r"n\.parquet: row 1: 'text' is int, not a string"):
+        load_documents(str(tmp_path / "n.parquet"))
 
 
 @pytest.mark.parametrize("content,needle", [
     ('{"text": "ok"}\nnot json\n', r"c\.jsonl:2: not valid JSON"),
     ('{"text": "ok"}\n{"body": "x"}\n', r"c\.jsonl:2: no 'text' key"),
+    # Not strings: these became the documents "None" and "5"
+    ('{"text": "ok"}\n{"text": null}\n', r"c\.jsonl:2: 'text' is null, not a string"),
+    ('{"text": "ok"}\n{"text": 5}\n', r"c\.jsonl:2: 'text' is int, not a string"),
 ])
 def test_bad_jsonl_fails_or_is_skipped_and_counted(tmp_path, content, needle):
     path = tmp_path / "c.jsonl"

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer-type", choices=("bpe", "unigram"), default="bpe")
     parser.add_argument("--json-key", default="text", help="text field of .jsonl/.parquet/datasets rows")
     parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail",
-                        help="a jsonl line that is not JSON or lacks the key")
+                        help="a jsonl line that is not JSON or lacks the key; a text value that is not a string")
     parser.add_argument("--on-decode-error", choices=("fail", "replace"), default="fail",
                         help="bytes that are not UTF-8")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")

@@ -18,7 +18,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 BUILTIN_PYDOC = "builtin:pydoc_topics"
 SYNTHETIC = "synthetic:"
@@ -42,7 +42,8 @@ class EmptyCorpusError(DataError):
 class SourcePolicy:
     text_key: str = "text"
     on_bad_record: str = "fail"
-    """A jsonl line that is not JSON or lacks the text key: `fail` or `skip` (counted)."""
+    """A jsonl line that is not JSON or lacks the text key, or a text value that is not a string (jsonl,
+    parquet, datasets): `fail` or `skip` (counted)."""
     on_decode_error: str = "fail"
     """Bytes that are not UTF-8: `fail` or `replace` with U+FFFD (counted)."""
 
@@ -96,6 +97,23 @@ def _pydoc_topics() -> Iterator[str]:
         yield topics[key]
 
 
+def _bad_record(where: str, problem: str, policy: SourcePolicy, stats: SourceStats) -> None:
+    """A record that cannot be a document: refused naming it (`fail`), or skipped and counted (`skip`)."""
+    if policy.on_bad_record == "fail":
+        raise DataError(f"{where}: {problem}; use on_bad_record=skip to skip such records")
+    stats.skipped_records += 1
+
+
+def _text_or_none(value, where: str, policy: SourcePolicy, stats: SourceStats) -> Optional[str]:
+    """A record's text value, if it is a string: a null or a number would otherwise become the document
+    "None" or "5" in silence."""
+    if isinstance(value, str):
+        return value
+    kind = "null" if value is None else type(value).__name__
+    _bad_record(where, f"{policy.text_key!r} is {kind}, not a string", policy, stats)
+    return None
+
+
 def _jsonl(path: Path, policy: SourcePolicy, stats: SourceStats) -> Iterator[str]:
     try:
         f = path.open("rb")
@@ -114,14 +132,14 @@ def _jsonl(path: Path, policy: SourcePolicy, stats: SourceStats) -> Iterator[str
             except json.JSONDecodeError as err:
                 problem = f"not valid JSON ({err.msg})"
             if problem is not None:
-                if policy.on_bad_record == "fail":
-                    raise DataError(f"{where}: {problem}; use on_bad_record=skip to skip such lines")
-                stats.skipped_records += 1
+                _bad_record(where, problem, policy, stats)
                 continue
-            yield str(record[policy.text_key])
+            text = _text_or_none(record[policy.text_key], where, policy, stats)
+            if text is not None:
+                yield text
 
 
-def _parquet(path: Path, policy: SourcePolicy) -> Iterator[str]:
+def _parquet(path: Path, policy: SourcePolicy, stats: SourceStats) -> Iterator[str]:
     import pyarrow.parquet as pq
 
     try:
@@ -130,11 +148,16 @@ def _parquet(path: Path, policy: SourcePolicy) -> Iterator[str]:
         raise DataError(f"{path}: not a parquet file ({type(err).__name__})") from None
     if policy.text_key not in table.schema_arrow.names:
         raise DataError(f"{path}: no column {policy.text_key!r} (columns: {table.schema_arrow.names})")
+    row = 0
     for batch in table.iter_batches(columns=[policy.text_key], batch_size=1024):
-        yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
+        for value in batch.column(0).to_pylist():
+            row += 1
+            text = _text_or_none(value, f"{path}: row {row}", policy, stats)
+            if text is not None:
+                yield text
 
 
-def _hf_dataset(spec: str, policy: SourcePolicy) -> Iterator[str]:
+def _hf_dataset(spec: str, policy: SourcePolicy, stats: SourceStats) -> Iterator[str]:
     """`name[:config][@split]`, e.g. `wikitext:wikitext-2-raw-v1@train`, streamed."""
     import datasets
 
@@ -148,15 +171,17 @@ def _hf_dataset(spec: str, policy: SourcePolicy) -> Iterator[str]:
                         f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}") from None
     if first is not None and policy.text_key not in first:
         raise DataError(f"dataset {spec!r} has no column {policy.text_key!r} (columns: {sorted(first)})")
-    for record in ds:
-        yield str(record[policy.text_key])
+    for row, record in enumerate(ds, 1):
+        text = _text_or_none(record[policy.text_key], f"dataset {spec!r}: row {row}", policy, stats)
+        if text is not None:
+            yield text
 
 
 def _local_file(path: Path, policy: SourcePolicy, stats: SourceStats) -> Iterator[str]:
     if path.suffix in (".jsonl", ".json"):
         yield from _jsonl(path, policy, stats)
     elif path.suffix == ".parquet":
-        yield from _parquet(path, policy)
+        yield from _parquet(path, policy, stats)
     else:  # any other file is plain text
         try:
             raw = path.read_bytes()
@@ -215,7 +240,7 @@ def _one_source(source: str, policy: SourcePolicy, stats: SourceStats) -> Iterat
         return
     files = _local_files(source)
     if files is None:
-        yield from _hf_dataset(source, policy)
+        yield from _hf_dataset(source, policy, stats)
         return
     for file in files:
         yield from _local_file(file, policy, stats)
