@@ -200,4 +200,18 @@ def test_report_names_the_bad_file(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReportError, match="holds no run"):
         find_runs([tmp_path / "empty"])
+    # These were tracebacks: a value that is not a number, bytes that are not text, and runs none of which
+    # has an evaluation yet (which also left an empty --output folder behind).
+    fake_run(tmp_path / "text", "grt", 1, [5.0])
+    (tmp_path / "text/metrics.jsonl").write_text('{"step": 1, "loss": "abc"}\n')
+    with pytest.raises(ReportError, match=r"metrics.jsonl:1: 'loss' is 'abc', not a number"):
+        find_runs([tmp_path / "text"])
+    (tmp_path / "text/metrics.jsonl").write_bytes(b"\x93\x94abc")
+    with pytest.raises(ReportError, match=r"metrics.jsonl: not UTF-8 text \(byte 0\)"):
+        find_runs([tmp_path / "text"])
+    result = subprocess.run([sys.executable, "-c", BAD_PATH_IMPORTS, str(tmp_path / "running"), "--output",
+                             str(tmp_path / "out")], capture_output=True, text=True)
+    assert result.stderr.strip().splitlines()[-1] == (f"grt-report: error: no run among {tmp_path / 'running'} "
+                                                      "has an evaluation yet")
+    assert json.loads(result.stdout)["status"] == 2 and not (tmp_path / "out").exists()
     assert summarize([]) == []

@@ -87,7 +87,8 @@ def test_jsonl_and_parquet(tmp_path):
     with pytest.raises(DataError, match=r"c\.parquet: row 2: 'text' is null, not a string"):
         load_documents(str(tmp_path / "c.parquet"))
     stats = SourceStats()
-    assert list(iter_documents(str(tmp_path / "c.parquet"), SourcePolicy(on_bad_record="skip"), stats)) == ["one", "two"]
+    skip = SourcePolicy(on_bad_record="skip")
+    assert list(iter_documents(str(tmp_path / "c.parquet"), skip, stats)) == ["one", "two"]
     assert stats.skipped_records == 1
     with pytest.raises(DataError, match="no column 'body'"):
         load_documents(str(tmp_path / "c.parquet"), SourcePolicy(text_key="body"))

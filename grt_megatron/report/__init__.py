@@ -37,7 +37,10 @@ __all__ = ["ReportError", "Run", "find_runs", "load_run", "main", "markdown", "s
 
 def write_report(runs: list[Run], output: Path, command: str) -> list[dict]:
     rows = summarize(runs)
-    output.mkdir(parents=True, exist_ok=True)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ReportError(f"--output {output}: cannot create it ({err.strerror or err})") from None
     plot_loss_curves(runs, rows, output / "loss_curves.png")
     for name, plot in (("loss_vs_r.png", plot_loss_vs_r), ("delta_vs_dense.png", plot_delta_vs_dense),
                        ("probe_accuracy.png", plot_probe_accuracy), ("probe_curves.png", plot_probe_curves),
@@ -62,9 +65,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         dirs = find_run_dirs(args.runs)  # a mistyped path fails in a second, before the imports below
         import_frozen("matplotlib", "grt_megatron.model")  # for the plots (pyplot once its backend is set), the FLOPs
         runs = load_runs(dirs)
+        if not runs:
+            raise ReportError(f"no run among {', '.join(map(str, args.runs))} has an evaluation yet")
         rows = write_report(runs, args.output, command)
     except ReportError as err:
         print(f"grt-report: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as err:  # the runs were read: what failed is writing the report (a read-only --output)
+        print(f"grt-report: error: --output {args.output}: cannot write "
+              f"{err.filename or 'the report'} ({err.strerror or err})", file=sys.stderr)
         sys.exit(2)
     print(f"{len(runs)} runs in {len(rows)} cells -> {args.output / 'report.md'}")
     for r in rows:

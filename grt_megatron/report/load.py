@@ -82,6 +82,8 @@ def _read_metrics(path: Path) -> list[dict]:
         lines = path.read_text().splitlines()
     except OSError as err:
         raise ReportError(f"{path}: cannot read ({err})") from None
+    except UnicodeDecodeError as err:
+        raise ReportError(f"{path}: not UTF-8 text (byte {err.start}): not a metrics.jsonl") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -91,6 +93,10 @@ def _read_metrics(path: Path) -> list[dict]:
             raise ReportError(f"{path}:{number}: not a JSON record: {line[:60]!r}") from None
         if not isinstance(record, dict) or "step" not in record:
             raise ReportError(f"{path}:{number}: a metrics record needs a 'step' field")
+        for key, value in record.items():  # a number here is read as one later; null is a non-finite value
+            if (key in ("step", "loss", "grad_norm") or key.startswith(("loss_", "probe_"))) and not (
+                    value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))):
+                raise ReportError(f"{path}:{number}: {key!r} is {value!r}, not a number")
         records.append(record)
     return records
 
