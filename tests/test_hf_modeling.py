@@ -378,3 +378,48 @@ def test_convert_from_a_folder_without_tokenizer_is_one_line(folder, tmp_path):
     assert errors == [f"grt-convert-hf: error: --from-hf {bare}: no tokenizer (tokenizer.model, or tokenizer.json / "
                       "tokenizer_config.json); a training checkpoint needs one: save it into the folder"], errors
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("config_not_json", "its config.json does not load: It looks like the config file at"),
+    ("config_empty", "its config.json does not load: Unrecognized model in"),
+    ("weights_truncated", "model.safetensors does not load (Error while deserializing header"),
+    ("tokenizer_not_sentencepiece", "its tokenizer does not load:"),
+    ("tokenizer_model_removed", "no tokenizer.model, which its tokenizer_config.json (custom code) reads"),
+])
+def test_importing_a_damaged_folder_is_one_line(folder, tmp_path, damage, message):
+    """Each was a traceback, or (the export's custom tokenizer without its model file) transformers asking
+    twice whether to run custom code before failing; none writes the checkpoint."""
+    from grt_megatron.checkpoint.store import CheckpointError
+    from grt_megatron.hf.convert import import_hf
+
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    if damage == "config_not_json":
+        (copy / "config.json").write_text((copy / "config.json").read_text()[:40])
+    elif damage == "config_empty":
+        (copy / "config.json").write_text("{}")
+    elif damage == "weights_truncated":
+        (copy / "model.safetensors").write_bytes((copy / "model.safetensors").read_bytes()[:100])
+    elif damage == "tokenizer_not_sentencepiece":
+        (copy / "tokenizer.model").write_bytes(b"not a model")
+    else:
+        (copy / "tokenizer.model").unlink()
+    with pytest.raises(CheckpointError) as refused:
+        import_hf(copy, tmp_path / "ckpt" / "step_00000000", progress=False)
+    assert str(refused.value).startswith(f"--from-hf {copy}: ") and message in str(refused.value)
+    assert "\n" not in str(refused.value) and not (tmp_path / "ckpt").exists()
+
+
+def test_export_refuses_a_bad_shard_size_and_an_output_under_a_file(tmp_path):
+    from grt_megatron.checkpoint.store import CheckpointError
+    from grt_megatron.hf.convert import check_paths, check_shard_size
+
+    for size in ("2GB", "500mb", "1.5 GB"):
+        check_shard_size(size)
+    for size in ("abc", "0GB", "1000", "-1GB"):
+        with pytest.raises(CheckpointError, match="not a size such as 2GB or 500MB"):
+            check_shard_size(size)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match=r"afile is a file, not a folder"):
+        check_paths(tmp_path / "afile" / "hf")

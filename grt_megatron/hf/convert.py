@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -260,8 +261,18 @@ def check_paths(output: Path, hf_dir: Path | None = None) -> None:
     `--from-hf` folder without config.json."""
     if output.exists():
         raise CheckpointError(f"--output {output} exists; refusing to overwrite it")
+    parent = next((q for q in output.absolute().parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise CheckpointError(f"--output {output}: {parent} is a file, not a folder")
     if hf_dir is not None and not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"--from-hf {hf_dir}: no config.json (not a Hugging Face model folder)")
+
+
+def check_shard_size(size: str) -> None:
+    """`--max-shard-size` as save_pretrained reads it (a number with KB, MB, GB or TB), above 0."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)\s*", str(size), flags=re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise CheckpointError(f"--max-shard-size {size!r}: not a size such as 2GB or 500MB")
 
 
 def export_checkpoint(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: str = "2GB",
@@ -314,7 +325,11 @@ def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
 
     hf_dir, output = Path(hf_dir), Path(output)
     check_paths(output, hf_dir=hf_dir)
-    config = AutoConfig.from_pretrained(str(hf_dir), trust_remote_code=True)
+    try:
+        config = AutoConfig.from_pretrained(str(hf_dir), trust_remote_code=True)
+    except (OSError, ValueError) as err:  # not JSON, no model_type, ...: transformers' first line
+        raise CheckpointError(f"--from-hf {hf_dir}: its config.json does not load: "
+                              f"{(str(err).strip().splitlines() or [type(err).__name__])[0]}") from None
     if getattr(config, "model_type", None) != "grt":
         raise CheckpointError(f"--from-hf {hf_dir}: model_type {getattr(config, 'model_type', None)!r} is not 'grt'")
     model = GRTConfig.from_recipe(model_from_hf_config(config)).to_dict()
@@ -330,8 +345,19 @@ def _read_tokenizer(hf_dir: Path):
     """The folder's tokenizer (`tokenizer.model`, or a Hugging Face tokenizer's files): a checkpoint needs one."""
     from grt_megatron.data.tokenizer import load_tokenizer
 
+    from grt_megatron.data.sources import DataError
+
     if (hf_dir / "tokenizer.model").is_file():
-        return load_tokenizer(hf_dir / "tokenizer.model")
+        try:
+            return load_tokenizer(hf_dir / "tokenizer.model")
+        except DataError as err:
+            raise CheckpointError(f"--from-hf {hf_dir}: its tokenizer does not load: {err}") from None
+    settings = hf_dir / "tokenizer_config.json"
+    if not (hf_dir / "tokenizer.json").is_file() and settings.is_file() and "auto_map" in settings.read_text():
+        # The export's own tokenizer is custom code reading tokenizer.model: without it, transformers would
+        # only ask whether to run that code (twice) and then fail.
+        raise CheckpointError(f"--from-hf {hf_dir}: no tokenizer.model, which its tokenizer_config.json "
+                              "(custom code) reads; copy it back into the folder")
     if not any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise CheckpointError(f"--from-hf {hf_dir}: no tokenizer (tokenizer.model, or tokenizer.json / "
                               "tokenizer_config.json); a training checkpoint needs one: save it into the folder")
@@ -372,7 +398,11 @@ def _read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     for name in files:
         if not (hf_dir / name).is_file():
             raise CheckpointError(f"--from-hf {hf_dir}: {name} is missing")
-        out.update(load_file(str(hf_dir / name)))
+        try:
+            out.update(load_file(str(hf_dir / name)))
+        except Exception as err:  # safetensors' SafetensorError: a truncated or foreign file
+            raise CheckpointError(f"--from-hf {hf_dir}: {name} does not load "
+                                  f"({(str(err).splitlines() or [type(err).__name__])[0]})") from None
     return {k: v.float() for k, v in out.items()}
 
 
@@ -394,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         # The paths first: a mistyped one fails in a second, not after transformers and megatron are imported.
         if args.checkpoint:
             check_paths(Path(args.output))
+            check_shard_size(args.max_shard_size)
             source = resolve_export_source(Path(args.checkpoint))
         else:
             check_paths(Path(args.output), hf_dir=Path(args.from_hf))
