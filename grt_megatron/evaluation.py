@@ -183,10 +183,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="the folder for the results")
     args = parser.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    # lm-eval would take these with a traceback (a limit <= 0) or in silence (1.5 documents as 1, a negative
+    # number of shots as none).
+    if args.limit is not None and not (0 < args.limit < 1 or (args.limit >= 1 and args.limit.is_integer())):
+        print(f"{PROG}: error: --limit {args.limit:g}: a whole number of documents >= 1, or a fraction in (0, 1)",
+              file=sys.stderr)
+        return 2
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        print(f"{PROG}: error: --num-fewshot {args.num_fewshot}: must be >= 0", file=sys.stderr)
+        return 2
     if args.limit is not None and args.limit.is_integer():
         args.limit = int(args.limit)
     from grt_megatron.checkpoint.store import CheckpointError, checkpoint_dir
 
+    output, created = Path(args.output), False
     try:
         if not args.tasks:
             raise EvalError("--tasks: name at least one task")
@@ -206,11 +216,14 @@ def main(argv: list[str] | None = None) -> int:
 
         quiet_known_warnings()
         import_frozen("lm_eval.tasks", "lm_eval.models.huggingface", *(["grt_megatron.model"] if checkpoint else []))
-        import torch
+        from grt_megatron.device import inference_device
 
-        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            args.device = str(inference_device(args.device))  # cuda where present; a missing one refused here
+        except ValueError as err:
+            raise EvalError(str(err)) from None
         manager = task_manager(args.tasks, args.include_path)
-        output = Path(args.output)
+        created = not output.exists()
         output.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".grt-eval-export-", dir=output) as tmp:
             if checkpoint is not None:
@@ -223,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             source = {"source": str(checkpoint or model_dir), "trained_recurrences": config.get("num_recurrences")}
             by_r = evaluate(args, model_dir, manager, output, source)
     except (EvalError, CheckpointError, OSError) as err:
+        if created and output.is_dir() and not any(output.iterdir()):
+            output.rmdir()  # a refused evaluation leaves no empty folder behind
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     print(write_table(by_r, output / "results.md"), end="")

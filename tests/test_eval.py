@@ -153,6 +153,19 @@ def test_bad_input_is_one_line_and_exit_2(run_dir, tasks, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == "grt-eval: error: lm-evaluation-harness is not installed: pip install grt-megatron[eval]\n"
     assert not (tmp_path / "out").exists()
+    # Once a traceback (a limit <= 0, CUDA that is not there) or taken in silence (1.5 documents, -1 shots);
+    # none leaves an --output folder behind.
+    for args, message in [
+        (["--limit", "0"], "--limit 0: a whole number of documents >= 1, or a fraction in (0, 1)"),
+        (["--limit", "1.5"], "--limit 1.5: a whole number of documents >= 1, or a fraction in (0, 1)"),
+        (["--num-fewshot", "-1"], "--num-fewshot -1: must be >= 0"),
+        (["--device", "cuda"], "--device cuda: CUDA is not available on this machine"),
+    ]:
+        proc = grt_eval("--checkpoint", run_dir, "--tasks", "grt_test_choice", "--include-path", tasks, *args,
+                        "--output", tmp_path / "out", cwd=tmp_path)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("grt-eval: error:")]
+        assert proc.returncode == 2 and errors == [f"grt-eval: error: {message}"], proc.stderr[-2000:]
+        assert not (tmp_path / "out").exists()
 
 
 def test_unknown_tasks_are_refused_naming_close_ones(tasks, monkeypatch):
