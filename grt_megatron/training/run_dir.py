@@ -86,6 +86,15 @@ class RunLock:
                 pass  # another process may have started in it meanwhile: leave it
 
 
+def check_checkpoint_dir(checkpoint_root: Path) -> None:
+    """`checkpoint.dir` must be (or be creatable as) a folder: found out at the first save, a file there
+    would end a run that had trained up to it."""
+    root = Path(checkpoint_root)
+    blocking = next((q for q in (root, *root.absolute().parents) if q.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ConfigError(f"checkpoint.dir={str(root)!r}: {blocking} is a file, not a folder")
+
+
 def claim_run_dir(run_dir: Path, resume: Optional[str]) -> RunLock:
     """Rank 0, before anything else touches `run_dir`: create it, lock it and refuse a second run in it.
     Raises ConfigError (one line) and writes nothing on refusal (the lock file aside, which holds no run's
