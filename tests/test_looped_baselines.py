@@ -258,10 +258,16 @@ def test_grt_ckpt_relax_writes_a_checkpoint_that_reproduces_the_dense_model(worl
                                       {k: v for k, v in dense.state_dict().items() if "_extra_state" not in k},
                                       dense_config.to_dict(), tokenizer, reason="test", progress=False)
     out = tmp_path / "rrt/checkpoints/step_00000000"
-    assert ckpt_main(["relax", str(tmp_path / "dense"), "--shape", "1+1x2+1", "--lora-rank", "256",
+    # Rank d = 64 is every core linear's full rank (the smaller side of d x d ... 4d x d): exact. Above it a
+    # delta only costs memory (rank 100,000 at d 128 wrote 3.2 GB): refused, as a shape with R = 0.
+    for shape, rank in (("1+1x2+1", "65"), ("1+1x0+3", "8")):
+        assert ckpt_main(["relax", str(tmp_path / "dense"), "--shape", shape, "--lora-rank", rank,
+                          "--output", str(out)]) == 2
+        assert not out.exists()
+    assert ckpt_main(["relax", str(tmp_path / "dense"), "--shape", "1+1x2+1", "--lora-rank", "64",
                       "--output", str(out)]) == 0
     state = inspect_checkpoint(out).state
-    assert state["model"]["lora_rank"] == 256 and state["model_shape"] == "1+1x2+1"
+    assert state["model"]["lora_rank"] == 64 and state["model_shape"] == "1+1x2+1"
     tensors, _ = consolidate(out, progress=False)
     rrt = GRTLanguageModel(GRTConfig.from_recipe(state["model"])).eval()
     rrt.load_state_dict(tensors, strict=False)

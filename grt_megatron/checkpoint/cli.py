@@ -25,6 +25,7 @@ from grt_megatron.checkpoint.store import (
     write_file,
 )
 from grt_megatron.console import quiet_known_warnings
+from grt_megatron.errors import ConfigError
 from grt_megatron.files import write_atomic
 
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_warnings()
     try:
         return args.run(args)
-    except CheckpointError as err:
+    except (CheckpointError, ConfigError) as err:  # ConfigError: a model `relax` would build is refused
         print(f"grt-ckpt: error: {err}", file=sys.stderr)
         return 2
 

@@ -176,6 +176,9 @@ class GRTConfig(TransformerConfig):
             self._check_ouro()
         if self.lora_rank < 0:
             raise ConfigError(f"model.lora_rank must be >= 0, got {self.lora_rank}")
+        if self.lora_rank > self.hidden_size:  # a delta's rank cannot exceed the smaller side of d x d, d x 4d
+            raise ConfigError(f"model.lora_rank={self.lora_rank} exceeds model.hidden_size={self.hidden_size}: a "
+                              "rank-r delta of a d-wide linear has rank at most d, the rest only costs memory")
         if self.lora_rank and self.routing != "none":
             raise ConfigError("model.lora_rank > 0 (RRT) cannot be combined with model.routing (MoR): "
                               "choose one depth-reuse baseline")
