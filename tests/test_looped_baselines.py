@@ -223,8 +223,9 @@ def test_rrt_svd_initialisation_reproduces_the_dense_layers_at_full_rank(world):
     state = {k: v.detach().clone() for k, v in dense.state_dict().items() if v is not None}
     d = 64
     # 1+2x2+1: dense layers 1, 3 tie into core layer 0 and 2, 4 into core layer 1.
-    config = tiny_config(**PLAIN, prelude_layers=1, core_layers=2, recurrences=2, coda_layers=1, lora_rank=4 * d)
-    relaxed = relax_dense_state(state, prelude=1, core=2, recurrences=2, coda=1, rank=4 * d)
+    # Rank d is full rank for every core linear (the smaller side of d x d, 3d x d, 4d x d, d x 4d).
+    config = tiny_config(**PLAIN, prelude_layers=1, core_layers=2, recurrences=2, coda_layers=1, lora_rank=d)
+    relaxed = relax_dense_state(state, prelude=1, core=2, recurrences=2, coda=1, rank=d)
     rrt = GRTLanguageModel(config).eval()
     missing, unexpected = rrt.load_state_dict(relaxed, strict=False)
     assert not unexpected and all("_extra_state" in k for k in missing)
