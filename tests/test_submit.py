@@ -48,6 +48,11 @@ def test_the_tiny_recipe_goes_from_one_to_four_processes(capsys, tmp_path):
     (["--", "model=no_such_model"], "grt-train overrides: In 'train': Could not find 'model/no_such_model'"),
     (["--", "train.lr=abc"], "config key train.lr"),
     (["--procs-per-node", "8", "--gpus-per-node", "4"], "--procs-per-node 8 needs as many GPUs"),
+    # written into the script as they came (#SBATCH --time=abc, USR1@-1), or made 1 in silence
+    (["--time", "abc"], "--time 'abc': write it as SLURM does, MM, HH:MM:SS or D-HH:MM:SS"),
+    (["--signal-seconds", "-1"], "--signal-seconds must be >= 1, got -1"),
+    (["--mem", "abc"], "--mem 'abc': a size as sbatch takes it"),
+    (["--cpus-per-task", "0"], "--cpus-per-task must be >= 1, got 0"),
 ])
 def test_other_refusals_are_one_line(capsys, tmp_path, args, needle):
     code, out, err = _submit(capsys, tmp_path, *args)

@@ -13,6 +13,7 @@ other (`--dependency=singleton`) for runs longer than the time limit.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import subprocess
 import sys
@@ -63,6 +64,17 @@ def resolve(args: argparse.Namespace) -> dict:
     gpus, procs = int(settings["gpus_per_node"]), int(settings["procs_per_node"])
     if gpus and gpus < procs:
         raise SubmitError(f"--procs-per-node {procs} needs as many GPUs, but --gpus-per-node is {gpus}")
+    # sbatch would take these into the script and refuse the job only when submitted (or, for the signal,
+    # never: USR1@-1 is no warning at all).
+    if not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", str(settings["time"])):
+        raise SubmitError(f"--time {settings['time']!r}: write it as SLURM does, MM, HH:MM:SS or D-HH:MM:SS")
+    if int(settings["signal_seconds"]) < 1:
+        raise SubmitError(f"--signal-seconds must be >= 1, got {settings['signal_seconds']}")
+    for key in ("cpus_per_task", "cpus_per_proc"):
+        if settings[key] is not None and int(settings[key]) < 1:
+            raise SubmitError(f"--{key.replace('_', '-')} must be >= 1, got {settings[key]}")
+    if settings["mem"] is not None and not re.fullmatch(r"\d+[KMGT]?", str(settings["mem"]), flags=re.IGNORECASE):
+        raise SubmitError(f"--mem {settings['mem']!r}: a size as sbatch takes it, e.g. 200G, 64000M or 0 (all)")
     for item in settings["env"]:
         if "=" not in item:
             raise SubmitError(f"--env {item!r} is not NAME=VALUE")
