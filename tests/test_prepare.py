@@ -152,6 +152,22 @@ def test_truncated_bin_and_mismatched_idx_are_refused(tmp_path, pydoc_prefix):
         verify_prefix(tmp_path / "t")
 
 
+def test_a_prefix_without_manifest_is_checked_by_the_tokenizer_beside_it(tmp_path, pydoc_prefix, capsys):
+    """Without .meta.json the configured tokenizer went unchecked: a run trained on ids of another one."""
+    import shutil
+
+    src = pydoc_prefix[0]
+    for suffix in (".bin", ".idx"):
+        shutil.copy(str(src) + suffix, str(tmp_path / "t") + suffix)
+    right = load_tokenizer(prefix_paths(src)["tokenizer"]).identity
+    verify_prefix(tmp_path / "t", right)  # nothing shows the tokenizer: said, not refused (another tool's prefix)
+    assert "has no .meta.json nor .tokenizer.model: nothing shows which tokenizer made it" in capsys.readouterr().out
+    shutil.copy(prefix_paths(src)["tokenizer"], str(tmp_path / "t") + ".tokenizer.model")
+    assert verify_prefix(tmp_path / "t", right) is None
+    with pytest.raises(DataError, match=r"was tokenized with .*t\.tokenizer\.model, not the tokenizer configured"):
+        verify_prefix(tmp_path / "t", "0" * 64)
+
+
 def test_kill_during_preprocessing_leaves_nothing_training_accepts(tmp_path, pydoc_prefix):
     books = SHARED_DATA / "books.jsonl"
     prefix = tmp_path / "killed"

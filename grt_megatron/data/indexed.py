@@ -312,4 +312,14 @@ def verify_prefix(prefix: str | os.PathLike, tokenizer_identity: Optional[str] =
         if tokenizer_identity is not None and meta.get("tokenizer", {}).get("sha256") != tokenizer_identity:
             raise DataError(f"data prefix {str(prefix)!r} was tokenized with another tokenizer "
                             f"({meta.get('tokenizer', {}).get('source')}) than the one configured")
+    elif tokenizer_identity is not None:
+        # No manifest (another tool's prefix, or one whose .meta.json was lost): a sentencepiece model beside
+        # it (grt-prepare-data writes PREFIX.tokenizer.model) still tells which tokenizer made it.
+        if paths["tokenizer"].is_file():
+            if _sha256(paths["tokenizer"]) != tokenizer_identity:
+                raise DataError(f"data prefix {str(prefix)!r} was tokenized with {paths['tokenizer']}, not the "
+                                "tokenizer configured")
+        elif int(os.environ.get("RANK", "0")) == 0:
+            print(f"warning: data prefix {str(prefix)!r} has no {META_SUFFIX} nor {TOKENIZER_SUFFIX}: nothing "
+                  "shows which tokenizer made it, so it cannot be checked against the configured one", flush=True)
     return meta
