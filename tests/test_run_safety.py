@@ -189,11 +189,12 @@ def test_raised_from_finds_the_signal_in_an_exception_chain():
     assert raised_from(loop, KeyError) is None
 
 
-def test_a_checkpoint_dir_that_cannot_be_a_folder_is_refused_before_training(pydoc_prefix, tmp_path):
-    """Found out at the first save, a file there ended a run that had trained up to it (exit 4)."""
+@pytest.mark.parametrize("setting", ["checkpoint.dir", "data.cache_dir"])
+def test_a_folder_setting_that_cannot_be_a_folder_is_refused_before_training(pydoc_prefix, tmp_path, setting):
+    """Found out later, a file there ended a run that had trained up to its first save (exit 4), or with a
+    traceback from megatron's dataset cache."""
     (tmp_path / "afile").write_text("x")
-    proc = run_cli([*_args(pydoc_prefix[0], 2), f"run.dir={tmp_path / 'run'}",
-                    f"checkpoint.dir={tmp_path / 'afile' / 'ck'}"])
+    proc = run_cli([*_args(pydoc_prefix[0], 2), f"run.dir={tmp_path / 'run'}", f"{setting}={tmp_path / 'afile' / 'x'}"])
     assert proc.returncode == 2 and _errors(proc.stderr) == [
-        f"grt-train: error: checkpoint.dir='{tmp_path / 'afile' / 'ck'}': {tmp_path / 'afile'} is a file, not a folder"]
+        f"grt-train: error: {setting}='{tmp_path / 'afile' / 'x'}': {tmp_path / 'afile'} is a file, not a folder"]
     assert not (tmp_path / "run").exists()

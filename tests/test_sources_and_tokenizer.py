@@ -73,6 +73,9 @@ def test_bad_tokenizer_specs(tmp_path):
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(DataError, match="without tokenizer.json"):
         load_tokenizer(tmp_path / "empty_dir")
+    (tmp_path / "empty.model").write_bytes(b"")  # sentencepiece loads it as a model of no pieces
+    with pytest.raises(DataError, match=r"empty\.model: not a sentencepiece model \(no pieces"):
+        load_tokenizer(tmp_path / "empty.model")
 
 
 def test_jsonl_and_parquet(tmp_path):

@@ -84,9 +84,12 @@ class SentencePieceTokenizer(Tokenizer):
     def load(cls, path: str | os.PathLike) -> "SentencePieceTokenizer":
         path = Path(path)
         try:
-            return cls(path.read_bytes(), str(path))
+            tokenizer = cls(path.read_bytes(), str(path))
         except (RuntimeError, OSError):
             raise DataError(f"{path}: not a sentencepiece model") from None
+        if tokenizer.vocab_size == 0:  # sentencepiece loads an empty file as a model of no pieces
+            raise DataError(f"{path}: not a sentencepiece model (no pieces; an empty file?)")
+        return tokenizer
 
     @classmethod
     def train(cls, documents: Iterable[str], vocab_size: int, model_type: str = "bpe",

@@ -86,13 +86,14 @@ class RunLock:
                 pass  # another process may have started in it meanwhile: leave it
 
 
-def check_checkpoint_dir(checkpoint_root: Path) -> None:
-    """`checkpoint.dir` must be (or be creatable as) a folder: found out at the first save, a file there
-    would end a run that had trained up to it."""
-    root = Path(checkpoint_root)
-    blocking = next((q for q in (root, *root.absolute().parents) if q.exists()), None)
+def check_folder_setting(setting: str, folder: Path) -> None:
+    """A folder setting (`checkpoint.dir`, `data.cache_dir`) must be, or be creatable as, a folder: found out
+    later, a file on its path would end the run with a traceback (the cache) or at its first save, after
+    training up to it (the checkpoints)."""
+    folder = Path(folder)
+    blocking = next((q for q in (folder, *folder.absolute().parents) if q.exists()), None)
     if blocking is not None and not blocking.is_dir():
-        raise ConfigError(f"checkpoint.dir={str(root)!r}: {blocking} is a file, not a folder")
+        raise ConfigError(f"{setting}={str(folder)!r}: {blocking} is a file, not a folder")
 
 
 def claim_run_dir(run_dir: Path, resume: Optional[str]) -> RunLock:

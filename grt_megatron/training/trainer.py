@@ -46,7 +46,7 @@ from grt_megatron.training.evaluation import Evaluator
 from grt_megatron.training.probe import DepthProbe
 from grt_megatron.training.metrics import MetricsLogger, peak_flops_per_device
 from grt_megatron.training.resume import check_resume, restore_checkpoint, select_checkpoint, truncate_metrics
-from grt_megatron.training.run_dir import check_checkpoint_dir, claim_run_dir, record_run
+from grt_megatron.training.run_dir import check_folder_setting, claim_run_dir, record_run
 from grt_megatron.training.signals import StopRequests
 from grt_megatron.training.step_guard import (
     LossSpikeDetector,
@@ -127,7 +127,8 @@ class Trainer:
         record = record or {}
         # Rank 0 locks run.dir and checks it before anything is written; every rank gets the verdict (the
         # lock is rank 0's alone, None elsewhere).
-        on_main_rank(self.info, lambda: check_checkpoint_dir(self.checkpoint_root))
+        on_main_rank(self.info, lambda: [check_folder_setting(setting, folder) for setting, folder in (
+            ("checkpoint.dir", self.checkpoint_root), ("data.cache_dir", cfg.data.cache_dir)) if folder])
         self.lock = on_main_rank(self.info, lambda: claim_run_dir(self.run_dir, cfg.resume))
         try:
             self._build()
