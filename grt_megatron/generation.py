@@ -101,8 +101,17 @@ def _from_checkpoint(args, device: torch.device) -> str:
 def _from_hf(args, device: torch.device) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from safetensors import SafetensorError
+
+    if not (Path(args.hf) / "config.json").is_file():  # else transformers reads the path as a Hub repo id
+        raise ValueError(f"--hf {args.hf}: no config.json (not an exported Hugging Face folder)")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.hf, trust_remote_code=True, dtype=dtype).to(device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.hf, trust_remote_code=True, dtype=dtype)
+    except (OSError, ValueError, SafetensorError) as err:  # a truncated weights file, a broken config
+        raise ValueError(f"--hf {args.hf}: the model does not load: "
+                         f"{(str(err).strip().splitlines() or [type(err).__name__])[0]}") from None
+    model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.hf, trust_remote_code=True)
     ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt else [tokenizer.eos_token_id]
     torch.manual_seed(args.seed)  # seeds every device's generator

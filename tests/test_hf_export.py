@@ -197,6 +197,18 @@ def test_grt_generate_gives_the_same_tokens_from_checkpoint_and_export(trained, 
                               "--device", "cuda"], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "grt-generate: error: --device cuda: CUDA is not available on this machine"]
+    # A mistyped folder was read as a Hub repo id ("Repo id must be in the form ..."); a cut weights file
+    # was a traceback.
+    damaged = exported["tp2"].parent / "damaged"
+    shutil.copytree(exported["tp2"], damaged)
+    (damaged / "model.safetensors").write_bytes((damaged / "model.safetensors").read_bytes()[:100])
+    for folder, message in ((exported["tp2"].parent / "nope", "no config.json (not an exported Hugging Face folder)"),
+                            (damaged, "the model does not load: Error while deserializing header")):
+        proc = subprocess.run([sys.executable, "-m", "grt_megatron.generation", "--hf", str(folder), "--greedy"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("grt-generate: error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(
+            f"grt-generate: error: --hf {folder}: {message}"), proc.stderr[-2000:]
     proc = subprocess.run([sys.executable, "-m", "grt_megatron.hf.convert", "--checkpoint", str(REPO),
                            "--output", str(exported["tp2"].parent / "x")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "grt-convert-hf: error:" in proc.stderr
