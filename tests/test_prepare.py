@@ -126,6 +126,21 @@ def test_overwrite_replaces(tmp_path, pydoc_prefix):
     assert load_tokenizer(tokenizer).decode(ds[0][:-1]) == "second, longer version of the text"
 
 
+def test_tokenizer_options_that_were_ignored_or_a_traceback_are_one_line(tmp_path, pydoc_prefix):
+    tokenizer = str(prefix_paths(pydoc_prefix[0])["tokenizer"])
+    (tmp_path / "empty.model").write_bytes(b"")
+    for args, needle in ((["--tokenizer", tokenizer, "--vocab-size", "77"],
+                          "--vocab-size 77 applies to --train-tokenizer"),  # was ignored in silence
+                         (["--tokenizer", str(tmp_path / "empty.model")],
+                          "empty.model: not a sentencepiece model (no pieces"),  # was a traceback
+                         ):
+        proc = run_prepare(["--input", str(SHAKESPEARE), "--output-prefix", str(tmp_path / "out"), *args,
+                            "--no-progress"])
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and lines[-1].startswith("grt-prepare-data: error:") and needle in lines[-1]
+        assert "Traceback" not in proc.stderr and not list(tmp_path.glob("out*"))
+
+
 def test_truncated_bin_and_mismatched_idx_are_refused(tmp_path, pydoc_prefix):
     import shutil
 

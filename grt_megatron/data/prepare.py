@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--tokenizer", help="a sentencepiece .model, or a Hugging Face tokenizer folder or name")
     tok.add_argument("--train-tokenizer", action="store_true",
                      help="train a sentencepiece tokenizer on the inputs (saved as PREFIX.tokenizer.model)")
-    parser.add_argument("--vocab-size", type=int, default=8192, help="with --train-tokenizer (default 8192)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="with --train-tokenizer (default 8192)")
     parser.add_argument("--tokenizer-type", choices=("bpe", "unigram"), default="bpe")
     parser.add_argument("--json-key", default="text", help="text field of .jsonl/.parquet/datasets rows")
     parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail",
@@ -206,6 +206,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         quiet_known_warnings()
         if args.workers < 1:
             raise DataError(f"--workers must be >= 1, got {args.workers}")
+        if args.vocab_size is not None and not args.train_tokenizer:  # it would be ignored in silence
+            raise DataError(f"--vocab-size {args.vocab_size} applies to --train-tokenizer; --tokenizer's own "
+                            "vocabulary is used as it is")
+        if args.vocab_size is None:
+            args.vocab_size = 8192
         policy = SourcePolicy(args.json_key, args.on_bad_record, args.on_decode_error)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         summary = prepare_dataset(
