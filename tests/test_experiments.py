@@ -126,6 +126,14 @@ def test_grid_refuses_a_bad_override_before_any_job_starts(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == "grt-grid: error: cpu/dense seed 1 budget 1.0: train.iters must be >= 1, got 0"
     assert not (tmp_path / "logs").exists()  # nothing started, nothing written
+    # A seed grt-train refuses (it was a traceback in the first job) and a --log-dir under a file (a traceback).
+    (tmp_path / "afile").write_text("x")
+    for argv, message in ((["--seeds", "-1"], "cpu/dense seed -1 budget 1.0: seed must be in [0, 2**32), got -1"),
+                          (["--seeds", "1", "--log-dir", str(tmp_path / "afile" / "logs")],
+                           f"--log-dir {tmp_path / 'afile' / 'logs'}: cannot create it (Not a directory)")):
+        with pytest.raises(SystemExit) as stop:
+            grid.main(["cpu/dense", *argv])
+        assert stop.value.code == 2 and capsys.readouterr().err.strip() == f"grt-grid: error: {message}"
 
 
 def test_grid_reads_a_runs_latest_step_from_the_end_of_its_metrics(tmp_path):

@@ -321,7 +321,10 @@ def main(argv=None) -> None:
 def run_grid(args: argparse.Namespace, signals: JobSignals) -> None:
     jobs = [(c, s, b) for b in args.budgets for c in args.cells for s in args.seeds]
     plans = plan_jobs(jobs, args.overrides)
-    args.log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        _fail(f"--log-dir {args.log_dir}: cannot create it ({err.strerror or err})")
     cores, others = usable_cores(), training_processes()
     busy = sum(t for _, t in others)
     threads = args.threads or threads_per_job(cores, busy, args.workers)
