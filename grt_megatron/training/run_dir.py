@@ -131,4 +131,3 @@ def record_run(run_dir: Path, config_yaml: Optional[str], overrides: Optional[li
                           "".join(f"- {json.dumps(o)}\n" for o in overrides))
     except OSError as err:
         raise ConfigError(f"run.dir={str(run_dir)!r} is not writable ({os.strerror(err.errno)})") from None
-
