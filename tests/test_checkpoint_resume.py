@@ -352,5 +352,8 @@ def test_grt_ckpt_lists_shows_and_consolidates(reference, tmp_path):
     with safe_open(str(reference / "checkpoints" / "step_00000012" / "model-tp00-pp00.safetensors"), "pt") as f:
         assert tensors["block.gate_fc1.weight"].equal(f.get_tensor("param/block.gate_fc1.weight"))
     assert ckpt("consolidate", str(reference / "checkpoints" / "step_00000012"), "--output", str(out)).returncode == 2
+    proc = ckpt("consolidate", str(reference / "checkpoints" / "step_00000012"), "--output", str(out / "x"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("grt-ckpt: error: cannot write")
+    assert "Traceback" not in proc.stderr  # an output under a file was one
     proc = ckpt("show", str(reference))
     assert proc.returncode == 2 and "not a grt-megatron checkpoint" in proc.stderr

@@ -63,3 +63,13 @@ def test_cpu_jobs_ask_for_one_core_per_process(capsys, tmp_path):
     code, script, _ = _submit(capsys, tmp_path, "--procs-per-node", "2")
     assert code == 0 and "#SBATCH --cpus-per-task=2" in script and "export OMP_NUM_THREADS=1" in script
     assert "--mem" not in script
+
+
+def test_a_run_dir_that_cannot_hold_the_script_is_one_line(capsys, tmp_path):
+    """Without --dry-run the script is written into RUN_DIR/slurm before sbatch: a --run-dir under a file was a
+    traceback."""
+    (tmp_path / "afile").write_text("x")
+    code = submit.main(["--run-dir", str(tmp_path / "afile" / "run"), "--", "model=tiny"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"grt-submit: error: --run-dir {tmp_path / 'afile' / 'run'}: cannot write")
+    assert "\n" not in err

@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError) as err:  # ConfigError: a model `relax` would build is refused
         print(f"grt-ckpt: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # an --output that cannot be written (read-only, under a file)
+        print(f"grt-ckpt: error: cannot write {err.filename or 'the output'} ({err.strerror or err})",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -195,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(script)
             return 0
-        (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
         path = run_dir / "slurm" / "job.sbatch"
-        path.write_text(script)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(script)
+        except OSError as err:
+            raise SubmitError(f"--run-dir {args.run_dir}: cannot write {path} ({err.strerror or err})") from None
         ids = submit(path, int(settings["chain"]))
     except SubmitError as err:
         print(f"grt-submit: error: {err}", file=sys.stderr)
