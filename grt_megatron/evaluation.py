@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -56,10 +57,33 @@ def task_manager(names: list[str], include_path: str | None):
     manager = TaskManager(include_path=include_path)
     for name in names:
         if name not in manager.all_tasks:
+            broken = unreadable_task_files(include_path) if include_path is not None else []
+            if broken:  # lm-eval skips a YAML it cannot parse: the task it defines is then simply unknown
+                raise EvalError(f"unknown task {name!r}; a task file in --include-path does not parse: {broken[0]}")
             close = difflib.get_close_matches(name, manager.all_tasks, n=3)
             raise EvalError(f"unknown task {name!r}" + (f" (did you mean {', '.join(close)}?)" if close else
                                                           "; see `lm-eval ls tasks`, or pass --include-path"))
     return manager
+
+
+def unreadable_task_files(folder: str) -> list[str]:
+    """The YAML files under `folder` that do not parse, as 'path (line N: problem)'. lm-eval's own tags
+    (`!function ...`) are accepted without being run."""
+    import yaml
+
+    class TaskLoader(yaml.SafeLoader):
+        pass
+
+    TaskLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    broken = []
+    for path in sorted(Path(folder).rglob("*.yaml")):
+        try:
+            yaml.load(path.read_text(), Loader=TaskLoader)
+        except (yaml.YAMLError, OSError, UnicodeDecodeError) as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"line {mark.line + 1}: " if mark is not None else ""
+            broken.append(f"{path} ({where}{getattr(err, 'problem', None) or type(err).__name__})")
+    return broken
 
 
 def load_model(model_dir: Path, device: str, dtype: str):
@@ -165,7 +189,14 @@ def evaluate(args, model_dir: Path, manager, output: Path, source: dict) -> dict
     return by_r
 
 
+def _stop(signum, frame) -> None:
+    """SIGTERM (a scheduler's, `timeout`'s) unwinds like Ctrl-C, so the temporary export is removed."""
+    print(f"{PROG}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _stop)
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a checkpoint directory, or a run directory (its newest complete one)")

@@ -42,14 +42,19 @@ def tasks(tmp_path_factory):
     return folder
 
 
-def grt_eval(*args, cwd, modules=""):
+def grt_eval_command(*args, cwd, modules=""):
+    """(argv, env) of grt-eval in a process of its own."""
     # Not the launcher variables an in-process test of this pytest worker exported (MASTER_PORT is held
     # by its process group): accelerate, under lm-eval, would start a group on that taken port.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "HF_")) and k not in LAUNCHER_VARIABLES}
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(cwd / "hf_home"))
     code = f"import sys; {modules}from grt_megatron.evaluation import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return [sys.executable, "-c", code, *map(str, args)], env
+
+
+def grt_eval(*args, cwd, modules=""):
+    argv, env = grt_eval_command(*args, cwd=cwd, modules=modules)
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 class Framework:
@@ -168,6 +173,25 @@ def test_bad_input_is_one_line_and_exit_2(run_dir, tasks, tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+def test_sigterm_removes_the_temporary_export(run_dir, tasks, tmp_path):
+    """A scheduler's SIGTERM while a checkpoint is evaluated used to leave OUTPUT/.grt-eval-export-* behind."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    argv, env = grt_eval_command("--checkpoint", run_dir, "--tasks", "grt_test_choice", "--include-path", tasks,
+                                 "--output", out, cwd=tmp_path)
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(out.glob(".grt-eval-export-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert proc.poll() is None, "grt-eval ended before its export could be seen"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and err.strip().splitlines()[-1] == "grt-eval: stopped by SIGTERM"
+    assert not list(out.glob(".grt-eval-export-*"))
+
+
 def test_unknown_tasks_are_refused_naming_close_ones(tasks, monkeypatch):
     import lm_eval.tasks
 
@@ -182,6 +206,14 @@ def test_unknown_tasks_are_refused_naming_close_ones(tasks, monkeypatch):
         task_manager(["grt_test_rolling", "grt_test_choise"], str(tasks))
     with pytest.raises(EvalError, match="--include-path /nonexistent: no such directory"):
         task_manager(["hellaswag"], "/nonexistent")
+    # lm-eval skips a YAML it cannot parse: its task was "unknown" with unrelated suggestions, the file unnamed.
+    (tasks / "broken.yaml").write_text("task: grt_test_broken\ndataset_path: [unclosed\n")
+    try:
+        with pytest.raises(EvalError, match=r"unknown task 'grt_test_broken'; a task file in --include-path does "
+                                            r"not parse: .*broken\.yaml \(line 3: expected ','"):
+            task_manager(["grt_test_broken"], str(tasks))
+    finally:
+        (tasks / "broken.yaml").unlink()
 
 
 def test_an_exported_folder_at_its_trained_depth(run_dir, tasks, tmp_path, capsys):
