@@ -28,9 +28,6 @@ any check failed. What each check proves:
   hf_logits           the exported model's logits equal the framework's on the same tokens (fp32 within
                       1e-4, as tests/test_hf_export.py; bf16 within 2e-2 × max(1, largest logit) of the
                       framework in bf16).
-  generate_cli        grt-generate as a user runs it, with no --device (so on the GPU): from the final
-                      checkpoint (the framework's model, built on the host and moved) and from the export
-                      (transformers, cached), the same 20 greedy tokens.
   medium_throughput   medium dense (24 layers) vs medium GRT (2+5×4+2), d 1024, seq 1024, bf16 (or
                       --medium-precision bf16-mixed: fp32 weights under autocast), through the
                       DeepSpeed engine: median step time, tokens/s, model FLOPs/s, MFU, peak memory, the
@@ -40,6 +37,10 @@ any check failed. What each check proves:
   medium_compiled     the same with train.compile's torch.compile (rows also record the compiled graphs and
                       the first, compiling, step's time); with --medium-baseline-precision P, the GRT once
                       more in P, and its step time over that baseline's.
+  generate_cli        grt-generate as a user runs it, with no --device (so on the GPU): from the final
+                      checkpoint (the framework's model, built on the host and moved) and from the export
+                      (transformers, cached), the same 20 greedy tokens. Last, so that a
+                      short time guard cuts it rather than the throughput.
 
 Writes a JSON report (atomically) and prints a table. The checks are in gpu_check_checks.py, the
 subprocess and time-guard machinery in gpu_check_runner.py, the device-side measurements in
