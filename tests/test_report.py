@@ -203,8 +203,9 @@ def test_report_names_the_bad_file(tmp_path):
     # These were tracebacks: a value that is not a number, bytes that are not text, and runs none of which
     # has an evaluation yet (which also left an empty --output folder behind).
     fake_run(tmp_path / "text", "grt", 1, [5.0])
-    (tmp_path / "text/metrics.jsonl").write_text('{"step": 1, "loss": "abc"}\n')
-    with pytest.raises(ReportError, match=r"metrics.jsonl:1: 'loss' is 'abc', not a number"):
+    (tmp_path / "text/metrics.jsonl").write_text('{"step": 1, "loss": 5.0, "loss_spike": true}\n'  # not read: fine
+                                                 '{"step": 1, "loss": "abc"}\n')
+    with pytest.raises(ReportError, match=r"metrics.jsonl:2: 'loss' is 'abc', not a number"):
         find_runs([tmp_path / "text"])
     (tmp_path / "text/metrics.jsonl").write_bytes(b"\x93\x94abc")
     with pytest.raises(ReportError, match=r"metrics.jsonl: not UTF-8 text \(byte 0\)"):

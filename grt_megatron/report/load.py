@@ -76,6 +76,17 @@ def _read_json(path: Path) -> dict:
         raise ReportError(f"{path}: cannot read ({err})") from None
 
 
+_NUMBERS = ("step", "tokens", "loss", "recurrences", "flops_per_token", "flops_per_s", "tokens_per_s",
+            "loss_exit_rule")
+_NUMBER_PREFIXES = ("gate_mean_r", "relative_update_r", "active_fraction_r", "exit_", "probe_")
+
+
+def _read_as_number(key: str) -> bool:
+    """The record fields `load_run` reads as numbers (others, e.g. a step's `loss_spike: true`, are not)."""
+    return key in _NUMBERS or key.startswith(_NUMBER_PREFIXES) or (key.startswith("loss_") and
+                                                                     key.endswith("_routing"))
+
+
 def _read_metrics(path: Path) -> list[dict]:
     records = []
     try:
@@ -93,8 +104,8 @@ def _read_metrics(path: Path) -> list[dict]:
             raise ReportError(f"{path}:{number}: not a JSON record: {line[:60]!r}") from None
         if not isinstance(record, dict) or "step" not in record:
             raise ReportError(f"{path}:{number}: a metrics record needs a 'step' field")
-        for key, value in record.items():  # a number here is read as one later; null is a non-finite value
-            if (key in ("step", "loss", "grad_norm") or key.startswith(("loss_", "probe_"))) and not (
+        for key, value in record.items():  # what the report reads as a number; null is a non-finite value
+            if _read_as_number(key) and not (
                     value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))):
                 raise ReportError(f"{path}:{number}: {key!r} is {value!r}, not a number")
         records.append(record)
