@@ -48,3 +48,9 @@ def raised_from(err: BaseException, kind: Union[type[E], tuple[type[E], ...]]) -
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's message as one line (its first), or its type's name when it has none: what a CLI
+    prints of a third-party error (transformers', safetensors') after naming the file."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]

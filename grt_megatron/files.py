@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 
 def fsync_dir(path: Path, strict: bool = True) -> None:
@@ -51,3 +51,11 @@ def write_atomic(path: Union[str, os.PathLike], contents: Union[str, bytes, Call
     if durable:
         fsync_dir(path.parent)
     return path
+
+
+def file_in_the_way(folder: Union[str, os.PathLike]) -> Optional[Path]:
+    """The file that stops `folder` from being (or being created as) a folder: `folder` itself or its nearest
+    existing ancestor, when that is not a directory; None when the path is usable."""
+    folder = Path(folder)
+    nearest = next((q for q in (folder, *folder.absolute().parents) if q.exists()), None)
+    return nearest if nearest is not None and not nearest.is_dir() else None

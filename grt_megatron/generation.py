@@ -103,6 +103,8 @@ def _from_hf(args, device: torch.device) -> str:
 
     from safetensors import SafetensorError
 
+    from grt_megatron.errors import first_line
+
     if not (Path(args.hf) / "config.json").is_file():  # else transformers reads the path as a Hub repo id
         raise ValueError(f"--hf {args.hf}: no config.json (not an exported Hugging Face folder)")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -110,7 +112,7 @@ def _from_hf(args, device: torch.device) -> str:
         model = AutoModelForCausalLM.from_pretrained(args.hf, trust_remote_code=True, dtype=dtype)
     except (OSError, ValueError, SafetensorError) as err:  # a truncated weights file, a broken config
         raise ValueError(f"--hf {args.hf}: the model does not load: "
-                         f"{(str(err).strip().splitlines() or [type(err).__name__])[0]}") from None
+                         f"{first_line(err)}") from None
     model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.hf, trust_remote_code=True)
     ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt else [tokenizer.eos_token_id]

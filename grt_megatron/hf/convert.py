@@ -24,6 +24,8 @@ import torch
 from tqdm import tqdm
 
 from grt_megatron.checkpoint.store import CheckpointError
+from grt_megatron.errors import first_line
+from grt_megatron.files import file_in_the_way
 
 HF_FILES = Path(__file__).parent
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -261,9 +263,9 @@ def check_paths(output: Path, hf_dir: Path | None = None) -> None:
     `--from-hf` folder without config.json."""
     if output.exists():
         raise CheckpointError(f"--output {output} exists; refusing to overwrite it")
-    parent = next((q for q in output.absolute().parents if q.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise CheckpointError(f"--output {output}: {parent} is a file, not a folder")
+    blocking = file_in_the_way(output.parent)
+    if blocking is not None:
+        raise CheckpointError(f"--output {output}: {blocking} is a file, not a folder")
     if hf_dir is not None and not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"--from-hf {hf_dir}: no config.json (not a Hugging Face model folder)")
 
@@ -329,7 +331,7 @@ def import_hf(hf_dir: Path, output: Path, progress: bool = True) -> Path:
         config = AutoConfig.from_pretrained(str(hf_dir), trust_remote_code=True)
     except (OSError, ValueError) as err:  # not JSON, no model_type, ...: transformers' first line
         raise CheckpointError(f"--from-hf {hf_dir}: its config.json does not load: "
-                              f"{(str(err).strip().splitlines() or [type(err).__name__])[0]}") from None
+                              f"{first_line(err)}") from None
     if getattr(config, "model_type", None) != "grt":
         raise CheckpointError(f"--from-hf {hf_dir}: model_type {getattr(config, 'model_type', None)!r} is not 'grt'")
     model = GRTConfig.from_recipe(model_from_hf_config(config)).to_dict()
@@ -364,8 +366,7 @@ def _read_tokenizer(hf_dir: Path):
     try:
         return load_tokenizer(str(hf_dir))
     except Exception as err:  # transformers' own errors (OSError, ValueError, ...): one line, not a traceback
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"--from-hf {hf_dir}: its tokenizer does not load: {first}") from None
+        raise CheckpointError(f"--from-hf {hf_dir}: its tokenizer does not load: {first_line(err)}") from None
 
 
 def resolve_export_source(path: Path) -> Path:
@@ -402,7 +403,7 @@ def _read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
             out.update(load_file(str(hf_dir / name)))
         except Exception as err:  # safetensors' SafetensorError: a truncated or foreign file
             raise CheckpointError(f"--from-hf {hf_dir}: {name} does not load "
-                                  f"({(str(err).splitlines() or [type(err).__name__])[0]})") from None
+                                  f"({first_line(err)})") from None
     return {k: v.float() for k, v in out.items()}
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from grt_megatron.files import write_atomic
+from grt_megatron.files import file_in_the_way, write_atomic
 from grt_megatron.model import ConfigError
 
 LOCK_FILE = ".grt-train.lock"
@@ -90,9 +90,8 @@ def check_folder_setting(setting: str, folder: Path) -> None:
     """A folder setting (`checkpoint.dir`, `data.cache_dir`) must be, or be creatable as, a folder: found out
     later, a file on its path would end the run with a traceback (the cache) or at its first save, after
     training up to it (the checkpoints)."""
-    folder = Path(folder)
-    blocking = next((q for q in (folder, *folder.absolute().parents) if q.exists()), None)
-    if blocking is not None and not blocking.is_dir():
+    blocking = file_in_the_way(folder)
+    if blocking is not None:
         raise ConfigError(f"{setting}={str(folder)!r}: {blocking} is a file, not a folder")
 
 
