@@ -18,6 +18,11 @@ from typing import Any, Optional
 import torch
 
 
+# The dtypes a command that loads or writes a trained model takes by name (`--dtype`): grt-generate,
+# grt-eval and grt-convert-hf offer the same two.
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def run_device() -> torch.device:
     """This process's device: `cuda:LOCAL_RANK` when CUDA is available (the launcher's LOCAL_RANK, set
     before the process group starts), else the CPU."""

@@ -88,13 +88,14 @@ def unreadable_task_files(folder: str) -> list[str]:
 
 def load_model(model_dir: Path, device: str, dtype: str):
     """The exported model and tokenizer, for lm-eval (no K/V cache: scoring is one forward per window)."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from grt_megatron.device import WEIGHT_DTYPES
 
     if getattr(AutoConfig.from_pretrained(str(model_dir), trust_remote_code=True), "model_type", None) != "grt":
         raise EvalError(f"--model-dir {model_dir}: not an exported GRT (model_type is not 'grt')")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=True,
-                                                 dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+                                                 dtype=WEIGHT_DTYPES[dtype])
     model.config.use_cache = False
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
     return model.to(device).eval(), tokenizer
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=float, default=None, help="at most N documents per task (< 1: a fraction)")
     parser.add_argument("--num-fewshot", type=int, default=None)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")  # device.WEIGHT_DTYPES
     parser.add_argument("--log-samples", action="store_true", help="also write samples_R{r}_{task}.jsonl")
     parser.add_argument("--output", required=True, help="the folder for the results")
     args = parser.parse_args(argv)

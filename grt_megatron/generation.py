@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from grt_megatron.data.tokenizer import Tokenizer
+from grt_megatron.device import WEIGHT_DTYPES
 
 
 @torch.no_grad()
@@ -107,7 +108,7 @@ def _from_hf(args, device: torch.device) -> str:
 
     if not (Path(args.hf) / "config.json").is_file():  # else transformers reads the path as a Hub repo id
         raise ValueError(f"--hf {args.hf}: no config.json (not an exported Hugging Face folder)")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    dtype = WEIGHT_DTYPES[args.dtype]
     try:
         model = AutoModelForCausalLM.from_pretrained(args.hf, trust_remote_code=True, dtype=dtype)
     except (OSError, ValueError, SafetensorError) as err:  # a truncated weights file, a broken config
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a GRT's adaptive exit (--hf), or an Ouro model's exit rule (--hf or --checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the weights' and activations' dtype")
+    parser.add_argument("--dtype", choices=sorted(WEIGHT_DTYPES), default="fp32",
+                        help="the weights' and activations' dtype")
     args = parser.parse_args(argv)
     # Values the model would take in silence (a temperature of 0 decoding greedily, R = 0 the trained R) or
     # refuse with a traceback: refused here, with the flag's name.

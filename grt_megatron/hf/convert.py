@@ -24,11 +24,11 @@ import torch
 from tqdm import tqdm
 
 from grt_megatron.checkpoint.store import CheckpointError
+from grt_megatron.device import WEIGHT_DTYPES
 from grt_megatron.errors import first_line
 from grt_megatron.files import file_in_the_way
 
 HF_FILES = Path(__file__).parent
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ---- names and shapes: one plain (one-process, TP 1) state dict <-> the HF model's -------------------------
@@ -286,14 +286,14 @@ def export_checkpoint(checkpoint: Path, output: Path, dtype: str = "fp32", max_s
 
     output = Path(output)
     check_paths(output)
-    if dtype not in _DTYPES:
-        raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    if dtype not in WEIGHT_DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
     plain, _ = consolidate(Path(checkpoint), progress=progress)
     from grt_megatron.checkpoint.store import inspect_checkpoint
 
     state = inspect_checkpoint(Path(checkpoint)).state
     model = state["model"]
-    hf_model = build_hf_model(plain, model, _DTYPES[dtype], progress)
+    hf_model = build_hf_model(plain, model, WEIGHT_DTYPES[dtype], progress)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent if output.parent.exists() else None))
     try:
         special = _save_tokenizer(Path(checkpoint), state, tmp, model["max_sequence_length"])
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--from-hf", help="an exported Hugging Face folder, to import as a training checkpoint")
     parser.add_argument("--output", required=True, help="the HF folder to write (export) or the checkpoint "
                                                         "directory RUN/checkpoints/step_00000000 (import)")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="weights' dtype in the export")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(WEIGHT_DTYPES), help="weights' dtype in the export")
     parser.add_argument("--max-shard-size", default="2GB")
     args = parser.parse_args(argv)
     quiet_known_warnings()
