@@ -4,8 +4,10 @@ device (counted on the CPU, parallel/mixed_precision.py and training/host_waits.
 
 import json
 import math
+import threading
 
 import pytest
+
 import torch
 
 from conftest import BF16_SHORT, json_from_fresh_process, tiny_config
@@ -133,6 +135,9 @@ def test_host_wait_counter_counts_reads_after_work():
         float(y[0])     # a view, then a read: no new work
         float(y.sum())  # work again: a wait
         (y + 1).tolist()  # tolist reads without the dispatcher's _local_scalar_dense: counted all the same
+        other = threading.Thread(target=lambda: (x + 1).tolist())  # another thread's reads are not the step's
+        other.start()
+        other.join()
     assert (counter.reads, counter.waits) == (4, 3)
     assert "tolist" not in torch.Tensor.__dict__  # put back on the way out
 

@@ -11,6 +11,8 @@ the same reads as `aten::item` in `host_waits`.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -36,12 +38,14 @@ class HostWaitCounter(TorchDispatchMode):
 
     def __enter__(self):
         # `Tensor.tolist` reads the values without going through the dispatcher (no `_local_scalar_dense`), so
-        # the mode alone would not see it; it waits for the device as `.item()` does.
+        # the mode alone would not see it; it waits for the device as `.item()` does. The patch is on the class,
+        # so it counts only this thread's reads, as the mode does (torch's dispatch-mode stack is per thread):
+        # a data-loading thread's tolist is not the step's.
         self._own_tolist = torch.Tensor.__dict__.get("tolist")  # None: inherited from torch._C.TensorBase
-        counter, tolist = self, torch.Tensor.tolist
+        counter, tolist, thread = self, torch.Tensor.tolist, threading.get_ident()
 
         def counted_tolist(tensor):
-            if tensor.data_ptr() not in counter._host_resident:
+            if threading.get_ident() == thread and tensor.data_ptr() not in counter._host_resident:
                 counter.reads += 1
                 counter.waits += counter._work_since_read
                 counter._work_since_read = False
