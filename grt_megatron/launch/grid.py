@@ -312,7 +312,10 @@ def run_job(cell: str, seed: int, budget: float, overrides: list[str], threads_f
 
 
 def main(argv=None) -> None:
+    from grt_megatron.console import quiet_known_warnings
+
     args = parse_args(argv)
+    quiet_known_warnings()  # composing the jobs' configs imports megatron-core, which warns about optional kernels
     # Installed before planning: a signal while the configs compose starts no job and ends with the summary.
     with JobSignals().installed() as signals:
         run_grid(args, signals)
