@@ -73,3 +73,24 @@ def test_a_run_dir_that_cannot_hold_the_script_is_one_line(capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith(f"grt-submit: error: --run-dir {tmp_path / 'afile' / 'run'}: cannot write")
     assert "\n" not in err
+
+
+def test_data_this_machine_lacks_is_warned_about_not_refused(capsys, tmp_path):
+    """A job whose data is missing would wait in the queue and then fail at its start; but a login node may
+    not mount what the compute nodes read, so the script is still written."""
+    tail = "on this machine; the job will fail at its start unless the compute nodes have it"
+    prefix = tmp_path / "corpus"
+    (tmp_path / "corpus.bin").write_bytes(b"")  # the .idx is missing (an interrupted grt-prepare-data)
+    code, script, err = _submit(capsys, tmp_path, "--", "model=tiny", "data=indexed", f"data.prefixes=[{prefix}]")
+    assert code == 0 and "#SBATCH" in script
+    assert err.strip().splitlines() == [f"grt-submit: warning: data.prefixes[0] {prefix}: {prefix}.idx not found {tail}"]
+
+    (tmp_path / "corpus.idx").write_bytes(b"")
+    code, _, err = _submit(capsys, tmp_path, "--", "model=tiny", f"data={prefix}")
+    assert code == 0 and err == ""
+
+    code, _, err = _submit(capsys, tmp_path, "--", "model=tiny", f"data={tmp_path}/books.txt",
+                           f"data.tokenizer={tmp_path}/tok.model")
+    assert code == 0 and err.strip().splitlines() == [
+        f"grt-submit: warning: data.source: input '{tmp_path}/books.txt': no such file {tail}",
+        f"grt-submit: warning: data.tokenizer {tmp_path}/tok.model: no such file {tail}"]

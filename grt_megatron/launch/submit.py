@@ -88,9 +88,10 @@ def world_size(settings: dict) -> int:
     return int(settings["nodes"]) * int(settings["procs_per_node"])
 
 
-def validate_run(run_dir: Path, settings: dict) -> None:
+def validate_run(run_dir: Path, settings: dict):
     """Refuse now what grt-train would refuse at its start, at the job's world size, with the same code
-    (hydra composes the job's overrides, `build_run_config` checks the layout, batch split and model)."""
+    (hydra composes the job's overrides, `build_run_config` checks the layout, batch split and model).
+    Returns the run's config."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -99,11 +100,39 @@ def validate_run(run_dir: Path, settings: dict) -> None:
 
     world = world_size(settings)
     try:
-        compose_run_config([*settings["overrides"], f"run.dir={run_dir}", "resume=auto"], world_size=world)
+        return compose_run_config([*settings["overrides"], f"run.dir={run_dir}", "resume=auto"], world_size=world)
     except ConfigError as err:
         raise SubmitError(f"grt-train would refuse this run on {world} processes: {err}") from None
     except (HydraException, OmegaConfBaseException) as err:
         raise SubmitError(f"grt-train overrides: {str(err).splitlines()[0]}") from None
+
+
+def data_paths_not_here(cfg) -> list[str]:
+    """The run's data files (prefixes, a local source, a tokenizer file) that this machine does not have,
+    each as `field value: what is missing`. A job with one of them would wait in the queue and then fail
+    at its start. They are warned about, not refused: a login node may not mount what the compute nodes
+    read (a node-local disk, a path made by an earlier job)."""
+    from grt_megatron.data import DataError
+    from grt_megatron.data.indexed import prefix_paths
+    from grt_megatron.data.sources import check_sources
+
+    d, missing = cfg.data, []
+    for i, prefix in enumerate(d.prefixes or []):
+        paths = prefix_paths(prefix)
+        absent = [str(paths[key]) for key in ("idx", "bin") if not paths[key].is_file()]
+        if absent:
+            missing.append(f"data.prefixes[{i}] {prefix}: {' and '.join(absent)} not found")
+    if d.source:
+        try:
+            check_sources(d.source)
+        except DataError as err:
+            missing.append(f"data.source: {err}")
+    if d.tokenizer:
+        spec = str(d.tokenizer)
+        path = Path(spec).expanduser()
+        if not path.exists() and (spec.endswith(".model") or spec.startswith((".", "/", "~"))):
+            missing.append(f"data.tokenizer {spec}: no such file")  # else a Hugging Face hub name
+    return missing
 
 
 def cpus(settings: dict) -> tuple[int, int]:
@@ -190,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = resolve(args)
         run_dir = Path(args.run_dir).resolve()
-        validate_run(run_dir, settings)
+        cfg = validate_run(run_dir, settings)
+        for problem in data_paths_not_here(cfg):
+            print(f"grt-submit: warning: {problem} on this machine; the job will fail at its start unless the "
+                  "compute nodes have it", file=sys.stderr)
         script = render(run_dir, settings)
         if args.dry_run:
             print(script)
