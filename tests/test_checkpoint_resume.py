@@ -41,18 +41,17 @@ def _curve(run_dir, after=0):
             if r["step"] > after]
 
 
+# One process in fp32 resumes to the uninterrupted curve in test_sigkill_... (ten times, sync and background
+# saves) and test_sigusr1_...; in DeepSpeed's bf16 in tools/gpu_check.py's kill_resume_bf16 (its CPU mode runs in
+# tests/test_gpu_check.py). Each layout below adds what those do not.
 LAYOUTS = [
-    ("1p", 1, []),
-    ("1p-bf16", 1, ["train.precision=bf16", *BF16_SHORT]),
     ("tp2", 2, ["parallel.tp=2"]),
-    # ZeRO 2 keeps its optimizer state as ZeRO 1 does (DeepSpeed's one stage-1-and-2 optimizer): zero1 stands for it.
-    ("dp2-zero1", 2, ["deepspeed.zero_stage=1"]),
     ("pp2", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
     # a background writer saves what a synchronous save would (ZeRO 3's synchronous save is resumed, in
     # one process, by test_reshard_to_one_process[dp2-zero3])
-    ("1p-async", 1, ["checkpoint.async_save=true"]),
     ("dp2-zero3-async", 2, ["deepspeed.zero_stage=3", "checkpoint.async_save=true"]),
-    # the depth-reuse baselines' own modules (exit head, per-recursion LoRA) come back too
+    # DP 2's partitioned optimizer state (ZeRO 2 keeps it as ZeRO 1 does: DeepSpeed's one stage-1-and-2
+    # optimizer), and the depth-reuse baselines' own modules (exit head, per-recursion LoRA) come back too
     ("ouro-dp2-zero1", 2, ["model=tiny_ouro", "deepspeed.zero_stage=1"]),
     ("rrt-1p", 1, ["model=tiny_rrt"]),
     # torch's fused AdamW under DeepSpeed's BF16 optimizer (its step count lives with the parameters)

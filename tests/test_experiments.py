@@ -4,6 +4,7 @@ small grid end to end (restartable: finished cells return at once)."""
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,18 +56,29 @@ def test_paper_isoflops_cells_match_dense_depth(scale, dense_layers):
             assert model(f"{variant}_isoparams").num_layers == dense_layers  # unique layers
 
 
-def grid_folder(tmp_path: Path) -> dict:
-    """tmp_path with the corpus the CPU cells read (data/books_1k), and the environment a grid runs in there."""
-    proc = run_prepare(["--input", str(SHAKESPEARE), "--output-prefix", str(tmp_path / "data/books_1k"),
-                        "--train-tokenizer", "--vocab-size", "1024", "--no-progress"])
+@pytest.fixture(scope="module")
+def books_1k(tmp_path_factory) -> Path:
+    """The corpus the CPU cells read (data/books_1k), prepared once for the module's grids."""
+    prefix = tmp_path_factory.mktemp("books") / "books_1k"
+    proc = run_prepare(["--input", str(SHAKESPEARE), "--output-prefix", str(prefix), "--train-tokenizer",
+                        "--vocab-size", "1024", "--no-progress"])
     assert proc.returncode == 0, proc.stderr
+    return prefix
+
+
+def grid_folder(tmp_path: Path, books_1k: Path) -> dict:
+    """tmp_path with the corpus the CPU cells read (a copy of `books_1k` in data/), and the environment a grid
+    runs in there."""
+    (tmp_path / "data").mkdir()
+    for file in books_1k.parent.glob(books_1k.name + ".*"):
+        shutil.copy(file, tmp_path / "data" / file.name)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     env["GRT_RECIPES"] = str(REPO / "recipes")
     return env
 
 
-def test_grid_and_report_end_to_end(tmp_path):
-    env = grid_folder(tmp_path)
+def test_grid_and_report_end_to_end(tmp_path, books_1k):
+    env = grid_folder(tmp_path, books_1k)
     # A caller that is itself a rank (pytest after an in-process run, or a grid inside torchrun) passes
     # RANK and a MASTER_PORT it holds: each job must still start its own world of one.
     held = socket.socket()
@@ -146,10 +158,10 @@ def test_grid_reads_a_runs_latest_step_from_the_end_of_its_metrics(tmp_path):
     assert latest_step(metrics) == 2000
 
 
-def test_grid_reports_a_stopped_run_as_stopped_not_finished(tmp_path):
+def test_grid_reports_a_stopped_run_as_stopped_not_finished(tmp_path, books_1k):
     # grt-train exits 0 after a requeue request (SIGTERM, SIGUSR1, train.exit_interval): the grid must still
     # say the run stopped at its step, exit 1, and finish it when the same command runs again.
-    env = grid_folder(tmp_path)
+    env = grid_folder(tmp_path, books_1k)
     grid = [sys.executable, "-m", "grt_megatron.launch.grid", "cpu/dense", "--seeds", "1", "--log-dir", "logs",
             "--", "train.iters=6", "train.eval_interval=6", "train.eval_iters=1", "checkpoint.interval=0"]
     # Another training already holds every core (a second grid, say): this grid's job gets the one thread
@@ -283,10 +295,10 @@ def test_grid_job_outcome(returncode, step, outcome):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_grid_stops_its_running_job_at_a_checkpoint_and_starts_no_other(tmp_path, signum):
+def test_a_signal_to_the_grid_stops_its_running_job_at_a_checkpoint_and_starts_no_other(tmp_path, books_1k, signum):
     # `kill <grid>` (or Ctrl-C, which reaches the jobs only through the grid: they run in their own process
     # group) is passed on: the running grt-train saves and exits, the next job never starts.
-    env = grid_folder(tmp_path)
+    env = grid_folder(tmp_path, books_1k)
     grid = subprocess.Popen([sys.executable, "-m", "grt_megatron.launch.grid", "cpu/dense", "--seeds", "1", "2",
                              "--log-dir", "logs", "--", "train.iters=100000", "train.log_interval=1",
                              "checkpoint.interval=0"],

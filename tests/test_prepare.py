@@ -112,20 +112,6 @@ def test_skip_and_replace_policies_count(tmp_path, pydoc_prefix):
     assert (meta["documents"], meta["skipped_records"], meta["replaced_decode_errors"]) == (3, 2, 1)
 
 
-def test_overwrite_replaces(tmp_path, pydoc_prefix):
-    tokenizer = str(prefix_paths(pydoc_prefix[0])["tokenizer"])
-    prefix = tmp_path / "p"
-    for text in ("first version", "second, longer version of the text"):
-        (tmp_path / "in.txt").write_text(text)
-        proc = run_prepare(["--input", str(tmp_path / "in.txt"), "--output-prefix", str(prefix), "--tokenizer",
-                            tokenizer, "--overwrite", "--no-progress"])
-        assert proc.returncode == 0, proc.stderr
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    ds = IndexedDataset(str(prefix))  # keep it alive: its items are views of its memory map
-    assert load_tokenizer(tokenizer).decode(ds[0][:-1]) == "second, longer version of the text"
-
-
 def test_tokenizer_options_that_were_ignored_or_a_traceback_are_one_line(tmp_path, pydoc_prefix):
     tokenizer = str(prefix_paths(pydoc_prefix[0])["tokenizer"])
     (tmp_path / "empty.model").write_bytes(b"")

@@ -267,8 +267,9 @@ def test_overwrite_leaves_exactly_the_new_runs_files(tmp_path, given_tokenizer):
     prefix, inp = tmp_path / "out" / "p", ["--input", str(tmp_path / "in.txt")]
     paths = prefix_paths(prefix)
 
-    def prepare(*args):
-        proc = run_prepare([*inp, "--output-prefix", str(prefix), "--overwrite", "--no-progress", *args])
+    def prepare(*args, source=tmp_path / "in.txt"):
+        proc = run_prepare(["--input", str(source), "--output-prefix", str(prefix), "--overwrite", "--no-progress",
+                            *args])
         assert proc.returncode == 0, proc.stderr
         return json.loads(paths["meta"].read_text())
 
@@ -276,10 +277,19 @@ def test_overwrite_leaves_exactly_the_new_runs_files(tmp_path, given_tokenizer):
     first = load_tokenizer(paths["tokenizer"])
     assert meta["tokenizer"]["sha256"] == first.identity and meta["tokenizer_file"] == "p.tokenizer.model"
 
-    meta = prepare("--tokenizer", given_tokenizer)  # no tokenizer of its own: the stale one goes
+    # Another, shorter corpus with a given tokenizer: its tokens replace the first's, and having no tokenizer of
+    # its own, the stale one goes.
+    (tmp_path / "short.txt").write_text("second, shorter version of the text")
+    meta = prepare("--tokenizer", given_tokenizer, source=tmp_path / "short.txt")
     assert _names(prefix.parent) == ["p.bin", "p.idx", "p.meta.json"]
     assert meta["tokenizer"]["sha256"] == load_tokenizer(given_tokenizer).identity and "tokenizer_file" not in meta
     verify_prefix(prefix, load_tokenizer(given_tokenizer).identity)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(str(prefix))  # kept alive while its items (views of its memory map) are read
+    assert len(dataset) == 1
+    assert load_tokenizer(given_tokenizer).decode(dataset[0][:-1]) == "second, shorter version of the text"
+    del dataset
 
     meta = prepare("--train-tokenizer", "--vocab-size", "500")
     assert _names(prefix.parent) == ["p.bin", "p.idx", "p.meta.json", "p.tokenizer.model"]

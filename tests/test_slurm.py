@@ -1,5 +1,6 @@
 """grt-submit's jobs on a real SLURM cluster on loopback (tests/slurm_cluster.py): torchrun under srun,
-USR1 → save → requeue → resume on the same loss curve, a singleton chain, two emulated nodes."""
+USR1 → save → requeue → resume on the same loss curve, a singleton chain, two emulated nodes. Every job's
+curve is the plain-torchrun reference's, step for step."""
 
 import subprocess
 import sys
@@ -62,18 +63,6 @@ def test_dry_run_prints_the_script_it_would_submit(tmp_path):
     assert bad.returncode == 2 and "grt-submit sets run.dir" in bad.stderr
 
 
-def test_torchrun_job_trains_with_two_ranks_and_checkpoints(cluster, pydoc_prefix, tmp_path, reference):
-    run_dir = tmp_path / "run"
-    [job] = _submit(cluster, run_dir, ["--procs-per-node", "2", "--time", "00:10:00"],
-                    _train_args(pydoc_prefix[0], 4, ["data.train_samples=256", "checkpoint.interval=2"]))
-    cluster.wait(job)
-    assert (run_dir / "checkpoints" / "step_00000004").is_dir()
-    log = (run_dir / "slurm.log").read_text()
-    assert f"job {job} (restart 0)" in log and "torchrun, 1 node(s) x 2" in log
-    # Same data, seeds and layout as plain torchrun: the same losses (eval at step 4 aside).
-    assert [c for c in _curve(run_dir) if c[1] is None] == [c for c in reference if c[1] is None][:4]
-
-
 def test_usr1_saves_requeues_and_resumes_on_the_same_curve(cluster, pydoc_prefix, tmp_path, reference):
     run_dir = tmp_path / "run"
     [job] = _submit(cluster, run_dir, ["--procs-per-node", "2", "--time", "00:10:00"],
@@ -87,6 +76,8 @@ def test_usr1_saves_requeues_and_resumes_on_the_same_curve(cluster, pydoc_prefix
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster.env, check=True)
     info = cluster.wait(job, restarts=1)
     log = (run_dir / "slurm.log").read_text()
+    # torchrun under srun, two ranks on the node (each job here is a submitted script's whole path).
+    assert f"job {job} (restart 0)" in log and "torchrun, 1 node(s) x 2" in log, log[-3000:]
     assert "USR1, saving a checkpoint and requeueing" in log and f"job {job} (restart 1)" in log, log[-3000:]
     assert "stopped by SIGTERM at step" in log and "resumed from" in log
     assert int(info["Restarts"]) == 1 and "SLURM job " + job + ", restart 1" in log

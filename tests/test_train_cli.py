@@ -16,7 +16,7 @@ STEP_KEYS = {"step", "loss", "grad_norm", "lr", "recurrences", "grad_recurrences
 @pytest.fixture(scope="module")
 def shakespeare_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "tiny"
-    proc = run_cli(["model=tiny", f"data={SHAKESPEARE}", "data.vocab_size=2048", "train.iters=80", "train.eval_interval=40",
+    proc = run_cli(["model=tiny", f"data={SHAKESPEARE}", "data.vocab_size=2048", "train.iters=48", "train.eval_interval=24",
                     f"run.dir={run_dir}", "seed=3", "train.sample_tokens=20", *QUIET])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
@@ -37,7 +37,7 @@ def test_metrics_jsonl_is_complete(shakespeare_run):
     run_dir, proc = shakespeare_run
     records = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for r in records if "split" not in r]
-    assert [r["step"] for r in steps] == list(range(1, 81))
+    assert [r["step"] for r in steps] == list(range(1, 49))
     for r in steps:
         assert STEP_KEYS <= r.keys()
         assert isinstance(r["loss"], float) and math.isfinite(r["loss"]) and r["grad_norm"] > 0
@@ -46,7 +46,7 @@ def test_metrics_jsonl_is_complete(shakespeare_run):
     assert len({r["recurrences"] for r in steps}) == 4  # uniform sampler covers 1..R
     assert steps[0]["lr"] < steps[29]["lr"]  # warmup
     valid = [r for r in records if r.get("split") == "valid"]
-    assert [r["step"] for r in valid] == [40, 80] and all(r["recurrences"] == 4 for r in valid)
+    assert [r["step"] for r in valid] == [24, 48] and all(r["recurrences"] == 4 for r in valid)
     for r in valid:  # gate diagnostics per recurrence: the gate starts near sigmoid(4) and the state moves
         gates = [r[f"gate_mean_r{i}"] for i in range(1, 5)]
         assert all(0.5 < g < 1 for g in gates) and all(r[f"relative_update_r{i}"] > 0 for i in range(1, 5))
@@ -80,6 +80,7 @@ def test_torchrun_data_parallel_matches_one_process(tmp_path, pydoc_prefix):
 
 
 def test_bf16_dense_deepspeed_optimizer_and_offline_wandb(tmp_path):
+    # On the default data (the built-in corpus, prepared at the run's start), as `grt-train` runs without `data=`.
     proc = run_cli(["model=tiny_dense", "train.iters=4", "train.precision=bf16", "train.optimizer=deepspeed",
                     "train.torch_adam=true", *BF16_SHORT, "train.eval_iters=1", f"run.dir={tmp_path}",
                     "logging.wandb=offline", "logging.progress=false"])
@@ -95,11 +96,11 @@ def test_bf16_dense_deepspeed_optimizer_and_offline_wandb(tmp_path):
     assert len(offline) == 1 and offline[0].stat().st_size > 0  # a real wandb run, syncable later
 
 
-def test_fused_adam_trains_as_the_default_adam_within_rounding(tmp_path):
+def test_fused_adam_trains_as_the_default_adam_within_rounding(tmp_path, pydoc_prefix):
     """torch's fused AdamW and its default implementation compute the same update (other rounding)."""
     curves = {}
     for fused in ("false", "true"):
-        proc = run_cli(["model=tiny", "train.iters=4", "train.precision=bf16", f"train.fused_adam={fused}",
+        proc = run_cli(["model=tiny", f"data={pydoc_prefix[0]}", "train.iters=4", "train.precision=bf16", f"train.fused_adam={fused}",
                         *BF16_SHORT, "train.eval_iters=1", f"run.dir={tmp_path / fused}", *QUIET])
         assert proc.returncode == 0, proc.stderr[-3000:]
         curves[fused] = [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(tmp_path / fused / "metrics.jsonl")
@@ -113,11 +114,12 @@ def test_fused_adam_trains_as_the_default_adam_within_rounding(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["train.precision=fp16"], "train.precision='fp16' is not one of fp32, bf16"),
     (["data=/no/such/file.txt"], "input '/no/such/file.txt': no such file"),
-    (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's vocabulary (2048)"),
+    (["model.vocab_size=100", "data=PYDOC"], "model.vocab_size=100 is smaller than the tokenizer's vocabulary (2048)"),
     (["data=indexed", "data.prefixes=[/no/such/prefix]"], "/no/such/prefix.idx not found"),
 ])
-def test_bad_input_is_one_clear_line(tmp_path, args, needle):
+def test_bad_input_is_one_clear_line(tmp_path, pydoc_prefix, args, needle):
     """A bad setting, a missing input, a tokenizer that does not fit: one line, exit 2, nothing written."""
+    args = [a.replace("PYDOC", str(pydoc_prefix[0])) for a in args]  # prepared once, not per run
     proc = run_cli(["model=tiny", "train.iters=2", f"run.dir={tmp_path / 'run'}", *QUIET, *args])
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("grt-train: error:")]
@@ -179,16 +181,16 @@ def test_existing_run_dir_is_refused(shakespeare_run):
 
 
 @pytest.fixture(scope="module")
-def zero0_run(tmp_path_factory):
+def zero0_run(tmp_path_factory, pydoc_prefix):
     run_dir = tmp_path_factory.mktemp("zero") / "zero0"
-    proc = run_cli(["model=tiny", "train.iters=3", f"run.dir={run_dir}", *QUIET])
+    proc = run_cli(["model=tiny", f"data={pydoc_prefix[0]}", "train.iters=3", f"run.dir={run_dir}", *QUIET])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_jsonl(run_dir / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_match_stage_0_in_one_process(tmp_path, zero0_run, stage):
-    proc = run_cli(["model=tiny", "train.iters=3", f"deepspeed.zero_stage={stage}", f"run.dir={tmp_path}", *QUIET])
+def test_zero_stages_match_stage_0_in_one_process(tmp_path, pydoc_prefix, zero0_run, stage):
+    proc = run_cli(["model=tiny", f"data={pydoc_prefix[0]}", "train.iters=3", f"deepspeed.zero_stage={stage}", f"run.dir={tmp_path}", *QUIET])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for x, y in zip(zero0_run, read_jsonl(tmp_path / "metrics.jsonl")):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
