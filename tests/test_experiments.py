@@ -107,9 +107,12 @@ def test_grid_and_report_end_to_end(tmp_path, books_1k):
     core2 = read_jsonl(tmp_path / "runs/experiments/cpu/grt_isoflops_core2/budget1.0/seed1/metrics.jsonl")
     assert [r["recurrences"] for r in core2 if r.get("split") == "depth_sweep"] == [1, 2, 3, 4, 5, 6]  # R + 4
 
-    # A restarted grid resumes each finished cell at its last step: nothing is trained or logged again.
-    proc = subprocess.run(grid, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    # A restarted grid resumes each finished cell at its last step: nothing is trained or logged again. (Seed 2
+    # alone: each restarted job is a grt-train start, ~8 s here.)
+    again = [*grid[:grid.index("--seeds") + 1], "2", *grid[grid.index("--seeds") + 3:]]
+    proc = subprocess.run(again, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "grid: 2/2 runs finished" in proc.stdout
     assert read_jsonl(run / "metrics.jsonl") == records
 
     out = tmp_path / "report"
