@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=float, default=None, help="at most N documents per task (< 1: a fraction)")
     parser.add_argument("--num-fewshot", type=int, default=None)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")  # device.WEIGHT_DTYPES
+    # device.WEIGHT_DTYPES's names, spelled out: importing it imports torch, and grt-eval checks its arguments first
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--log-samples", action="store_true", help="also write samples_R{r}_{task}.jsonl")
     parser.add_argument("--output", required=True, help="the folder for the results")
     args = parser.parse_args(argv)

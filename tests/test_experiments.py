@@ -86,10 +86,12 @@ def test_grid_and_report_end_to_end(tmp_path, books_1k):
     held.listen()
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(held.getsockname()[1]))
-    grid = [sys.executable, "-m", "grt_megatron.launch.grid", "cpu/grt_isoflops_core2", "cpu/mor_isoflops",
-            "--seeds", "1", "2", "--workers", "2", "--log-dir", "logs", "--",
-            "train.iters=6", "train.eval_interval=3", "train.eval_iters=2", "checkpoint.interval=3"]
-    proc = subprocess.run(grid, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    def grid(*seeds):
+        return [sys.executable, "-m", "grt_megatron.launch.grid", "cpu/grt_isoflops_core2", "cpu/mor_isoflops",
+                "--seeds", *seeds, "--workers", "2", "--log-dir", "logs", "--",
+                "train.iters=6", "train.eval_interval=3", "train.eval_iters=2", "checkpoint.interval=3"]
+
+    proc = subprocess.run(grid("1", "2"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "grid: 4/4 runs finished" in proc.stdout
     assert "24/24" in proc.stderr  # the progress bar counts every job's steps (4 jobs × 6)
@@ -109,8 +111,7 @@ def test_grid_and_report_end_to_end(tmp_path, books_1k):
 
     # A restarted grid resumes each finished cell at its last step: nothing is trained or logged again. (Seed 2
     # alone: each restarted job is a grt-train start, ~8 s here.)
-    again = [*grid[:grid.index("--seeds") + 1], "2", *grid[grid.index("--seeds") + 3:]]
-    proc = subprocess.run(again, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(grid("2"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "grid: 2/2 runs finished" in proc.stdout
     assert read_jsonl(run / "metrics.jsonl") == records

@@ -7,7 +7,6 @@ import math
 import threading
 
 import pytest
-
 import torch
 
 from conftest import BF16_SHORT, json_from_fresh_process, tiny_config

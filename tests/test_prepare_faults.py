@@ -264,12 +264,15 @@ def test_output_prefix_naming_a_directory_is_refused(tmp_path, prefix, existing)
 
 def test_overwrite_leaves_exactly_the_new_runs_files(tmp_path, given_tokenizer):
     (tmp_path / "in.txt").write_text(SHAKESPEARE.read_text()[:40_000])
-    prefix, inp = tmp_path / "out" / "p", ["--input", str(tmp_path / "in.txt")]
+    prefix = tmp_path / "out" / "p"
     paths = prefix_paths(prefix)
 
-    def prepare(*args, source=tmp_path / "in.txt"):
-        proc = run_prepare(["--input", str(source), "--output-prefix", str(prefix), "--overwrite", "--no-progress",
+    def run(*args, source=tmp_path / "in.txt"):
+        return run_prepare(["--input", str(source), "--output-prefix", str(prefix), "--overwrite", "--no-progress",
                             *args])
+
+    def prepare(*args, **kwargs):
+        proc = run(*args, **kwargs)
         assert proc.returncode == 0, proc.stderr
         return json.loads(paths["meta"].read_text())
 
@@ -301,7 +304,6 @@ def test_overwrite_leaves_exactly_the_new_runs_files(tmp_path, given_tokenizer):
     # A failing --overwrite run touches nothing of the complete prefix.
     before = {p: p.read_bytes() for p in prefix.parent.iterdir()}
     (tmp_path / "in.txt").write_text("\n\n")
-    proc = run_prepare([*inp, "--output-prefix", str(prefix), "--overwrite", "--no-progress", "--train-tokenizer",
-                        "--vocab-size", "400"])
+    proc = run("--train-tokenizer", "--vocab-size", "400")
     assert proc.returncode == 2 and "the corpus is empty" in _one_line(proc.stderr)
     assert {p: p.read_bytes() for p in prefix.parent.iterdir()} == before

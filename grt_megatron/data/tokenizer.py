@@ -237,6 +237,13 @@ class HFTokenizer(Tokenizer):
         return path
 
 
+def check_tokenizer_file(spec: str | os.PathLike) -> None:
+    """Refuse a tokenizer that names a local file (a `.model`, or a path) that is not there; anything else
+    that does not exist here is a Hugging Face hub name."""
+    if not Path(spec).expanduser().exists() and (str(spec).endswith(".model") or str(spec).startswith((".", "/", "~"))):
+        raise DataError(f"tokenizer {str(spec)!r}: no such file")
+
+
 def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     """A sentencepiece `.model` file, a Hugging Face tokenizer folder, or a hub name."""
     path = Path(spec).expanduser()
@@ -246,8 +253,7 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
             raise DataError(f"{path}: a folder without tokenizer.json/tokenizer_config.json")
         return HFTokenizer(str(path))
-    if str(spec).endswith(".model") or str(spec).startswith((".", "/", "~")):
-        raise DataError(f"tokenizer {str(spec)!r}: no such file")
+    check_tokenizer_file(spec)
     return HFTokenizer(str(spec))
 
 

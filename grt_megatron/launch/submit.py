@@ -115,6 +115,7 @@ def data_paths_not_here(cfg) -> list[str]:
     from grt_megatron.data import DataError
     from grt_megatron.data.indexed import prefix_paths
     from grt_megatron.data.sources import check_sources
+    from grt_megatron.data.tokenizer import check_tokenizer_file
 
     d, missing = cfg.data, []
     for i, prefix in enumerate(d.prefixes or []):
@@ -128,10 +129,10 @@ def data_paths_not_here(cfg) -> list[str]:
         except DataError as err:
             missing.append(f"data.source: {err}")
     if d.tokenizer:
-        spec = str(d.tokenizer)
-        path = Path(spec).expanduser()
-        if not path.exists() and (spec.endswith(".model") or spec.startswith((".", "/", "~"))):
-            missing.append(f"data.tokenizer {spec}: no such file")  # else a Hugging Face hub name
+        try:
+            check_tokenizer_file(d.tokenizer)  # a hub name passes
+        except DataError:
+            missing.append(f"data.tokenizer {d.tokenizer}: no such file")
     return missing
 
 
