@@ -5,15 +5,22 @@ tracker), and DeepSpeed compiles a shared-memory C++ op at every CPU process-gro
 math itself runs unchanged on CPU with gloo. Each shim below is small, named, applied at most once, and
 only when CUDA is absent; `apply_cpu_shims()` returns the names of those it applied so that tests can
 check each one. Nothing else in the project patches third-party code.
+
+One shim acts earlier: megatron-core wraps its fused kernels in `torch.compile` while it is being
+imported, so deferring that must be in place before the first `import megatron.core`. `grt_megatron`'s
+`__init__` installs it (`defer_megatron_kernel_compile_on_cpu`); it too acts only when CUDA is absent.
+This module imports torch only inside its functions, so that installing it costs a CLI nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
 from typing import Callable
-
-import torch
 
 _APPLIED: list[str] = []
 
@@ -24,6 +31,8 @@ def _cuda_current_device_is_cpu() -> None:
     outputs of tensor and sequence parallelism, RoPE's frequencies. Without CUDA that call raises; here it
     names the CPU, so each of those allocations lands where the model is. Code that needs a real GPU index
     fails as it would have anyway."""
+    import torch
+
     torch.cuda.current_device = lambda: torch.device("cpu")
 
 
@@ -38,6 +47,7 @@ class _SilenceExpectedCpuRngWarning(logging.Filter):
 def _cpu_rng_tracker() -> None:
     """The model-parallel RNG tracker (dropout in TP regions, checkpoint recompute) stores CUDA
     generator states. Without CUDA it tracks CPU generator states instead, with the same seeds."""
+    import torch
     from megatron.core.tensor_parallel import random as mp_random
 
     def get_state(device="cuda", clone=False, graph_safe=False):
@@ -81,6 +91,7 @@ def _megatron_linear_autocast_on_cpu() -> None:
     runs as it does on a GPU."""
     import inspect
 
+    import torch
     from megatron.core.tensor_parallel import layers
 
     for function in (layers.LinearWithFrozenWeight, layers.LinearWithGradAccumulationAndAsyncCommunication):
@@ -99,6 +110,8 @@ SHIMS: dict[str, Callable[[], None]] = {
 
 def apply_cpu_shims() -> list[str]:
     """Apply every shim once, and only if CUDA is absent. Returns the names applied so far."""
+    import torch
+
     if torch.cuda.is_available():
         return []
     for name, shim in SHIMS.items():
@@ -106,3 +119,75 @@ def apply_cpu_shims() -> list[str]:
             shim()
             _APPLIED.append(name)
     return list(_APPLIED)
+
+
+def compile_at_first_call(fn: Callable | None = None, **options):
+    """`torch.compile` with the compiling, and the import of torch's compiler stack, put off until `fn` is
+    first called; used as `torch.compile` is (`@compile_at_first_call`, or with options). Inside a region
+    that is itself being compiled the plain function runs, so the outer graph inlines it, as it inlines a
+    `torch.compile`d function. A plain function, not a callable object: megatron decorates methods too."""
+    if fn is None:
+        return lambda f: compile_at_first_call(f, **options)
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        import torch
+
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(fn, **options)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _defer_jit_fuser(jit_module) -> None:
+    import torch
+
+    if not torch.cuda.is_available() and jit_module.jit_fuser is torch.compile:
+        jit_module.jit_fuser = compile_at_first_call
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    """The module's own loader, then `patch(module)` before anyone can import a name from it."""
+
+    def __init__(self, loader, patch: Callable):
+        self._loader, self._patch = loader, patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        self._patch(module)
+
+    def __getattr__(self, name):  # get_source, get_filename, ...: the real loader's
+        return getattr(self._loader, name)
+
+
+class _MegatronJitFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "megatron.core.jit":
+            return None
+        sys.meta_path.remove(self)  # once
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchAfterExec(spec.loader, _defer_jit_fuser)
+        return spec
+
+
+def defer_megatron_kernel_compile_on_cpu() -> None:
+    """megatron-core decorates ~40 fused elementwise kernels with `megatron.core.jit.jit_fuser`, which is
+    `torch.compile`, at import. Each call imports and sets up torch's compiler (dynamo, inductor, sympy):
+    about 2 s of every process start, a third of importing the trainer, though on CPU (local spec, fusion
+    flags off) those kernels are seldom called. Without CUDA, `jit_fuser` becomes `compile_at_first_call`:
+    the same compile with the same options, at a kernel's first call. With CUDA nothing changes.
+
+    Installs an import hook that acts once, when `megatron.core.jit` has run and before any module has
+    taken `jit_fuser` from it; it does nothing if megatron-core was imported already."""
+    if "megatron.core.jit" in sys.modules or any(isinstance(f, _MegatronJitFinder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _MegatronJitFinder())

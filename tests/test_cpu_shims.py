@@ -2,7 +2,8 @@
 
 import torch
 
-from grt_megatron.cpu_shims import SHIMS, apply_cpu_shims
+from conftest import json_from_fresh_process
+from grt_megatron.cpu_shims import SHIMS, apply_cpu_shims, compile_at_first_call
 
 
 def test_all_shims_applied_once_without_cuda():
@@ -88,3 +89,51 @@ def test_megatron_linear_backward_runs_under_cpu_autocast(world):
     assert x.grad.dtype == w.grad.dtype == torch.float32
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_megatron_kernels_compile_at_first_call_and_the_import_skips_the_compiler():
+    """Importing the trainer leaves torch's compiler unimported (megatron-core's fused kernels would import it
+    through `torch.compile`): `jit_fuser` is `compile_at_first_call` and megatron's kernels are its wrappers."""
+    script = """
+import json, sys
+import grt_megatron.training.trainer
+import megatron.core.jit, megatron.core.activations
+from grt_megatron.cpu_shims import compile_at_first_call
+print("@@", json.dumps({"jit_fuser": megatron.core.jit.jit_fuser is compile_at_first_call,
+                        "kernel": megatron.core.activations.quick_gelu.__code__.co_qualname,
+                        "dynamo": "torch._dynamo" in sys.modules,
+                        "inductor": "torch._inductor.compile_fx" in sys.modules}))
+"""
+    got = json_from_fresh_process(script, [], "@@", timeout=300)
+    assert got == {"jit_fuser": True, "kernel": "compile_at_first_call.<locals>.call",
+                   "dynamo": False, "inductor": False}
+
+
+def test_compile_at_first_call_compiles_once_and_inlines_inside_a_compiled_region():
+    from torch._dynamo.utils import counters
+
+    def gelu(x):
+        return 0.5 * x * (1.0 + torch.tanh(0.79788456 * x * (1.0 + 0.044715 * x * x)))
+
+    class Scaled(torch.nn.Module):
+        @compile_at_first_call(backend="eager")  # a method, as megatron decorates some
+        def scaled(self, x):
+            return 2 * gelu(x)
+
+        def forward(self, x):
+            return self.scaled(x) + 1
+
+    deferred = compile_at_first_call(gelu, backend="eager")
+    assert deferred.__wrapped__ is gelu and deferred.__name__ == "gelu"
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    counters.clear()
+    assert torch.equal(deferred(x), gelu(x))
+    assert torch.equal(deferred(x + 1), gelu(x + 1))
+    assert counters["stats"]["unique_graphs"] == 1  # compiled at the first call, then reused
+    module = Scaled()
+    assert torch.equal(module(x), 2 * gelu(x) + 1)
+    # Inside a compiled region (one graph, no break allowed) the deferred method is inlined, not compiled apart.
+    counters.clear()
+    outer = torch.compile(module, backend="eager", fullgraph=True)
+    assert torch.equal(outer(x), 2 * gelu(x) + 1)
+    assert counters["stats"]["unique_graphs"] == 1
