@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.abc
-import importlib.machinery
+import importlib.util
 import logging
 import sys
 from typing import Callable
@@ -147,7 +147,8 @@ def compile_at_first_call(fn: Callable | None = None, **options):
 def _defer_jit_fuser(jit_module) -> None:
     import torch
 
-    if not torch.cuda.is_available() and jit_module.jit_fuser is torch.compile:
+    # Only the decorator this was written against: another megatron-core version may define it otherwise.
+    if not torch.cuda.is_available() and getattr(jit_module, "jit_fuser", None) is torch.compile:
         jit_module.jit_fuser = compile_at_first_call
 
 
@@ -173,7 +174,7 @@ class _MegatronJitFinder(importlib.abc.MetaPathFinder):
         if fullname != "megatron.core.jit":
             return None
         sys.meta_path.remove(self)  # once
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = importlib.util.find_spec(fullname)  # as the other finders would find it (editable installs too)
         if spec is not None and spec.loader is not None:
             spec.loader = _PatchAfterExec(spec.loader, _defer_jit_fuser)
         return spec
