@@ -109,6 +109,18 @@ print("@@", json.dumps({"jit_fuser": megatron.core.jit.jit_fuser is compile_at_f
                    "dynamo": False, "inductor": False}
 
 
+def test_megatron_kernels_compile_at_import_as_before_where_cuda_is_present():
+    """With CUDA (here: torch told so before anything imports megatron-core) the hook leaves megatron as it is."""
+    script = """
+import json, sys, torch
+torch.cuda.is_available = lambda: True
+import grt_megatron, megatron.core.jit
+print("@@", json.dumps({"jit_fuser": megatron.core.jit.jit_fuser is torch.compile,
+                        "dynamo": "torch._dynamo" in sys.modules}))
+"""
+    assert json_from_fresh_process(script, [], "@@", timeout=300) == {"jit_fuser": True, "dynamo": True}
+
+
 def test_compile_at_first_call_compiles_once_and_inlines_inside_a_compiled_region():
     from torch._dynamo.utils import counters
 
