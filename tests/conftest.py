@@ -13,7 +13,26 @@ from pathlib import Path
 
 import pytest
 
-from grt_megatron.console import quiet_known_warnings
+
+def _share_the_cores_between_workers() -> None:
+    """Each pytest-xdist worker, and every process its tests start, gets cores / workers threads, as
+    grt-grid gives its jobs. With torch's default (every core) in each of two workers, their OpenMP threads
+    spin while waiting for cores the other worker holds: two tiny runs side by side took 37 s each with two
+    threads and 12 s with one, on this suite's 2-core machine. torchrun already gives its ranks one thread.
+    Set before torch is imported (its OpenMP runtime reads the variable when it loads); a value the caller
+    set is kept."""
+    if "PYTEST_XDIST_WORKER_COUNT" not in os.environ:  # xdist's controller, or a run without workers
+        return
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    os.environ.setdefault("MKL_NUM_THREADS", threads)
+    if "torch" in sys.modules:  # a plugin imported it first
+        sys.modules["torch"].set_num_threads(int(threads))
+
+
+_share_the_cores_between_workers()
+
+from grt_megatron.console import quiet_known_warnings  # noqa: E402 (imports torch: after the threads are set)
 
 quiet_known_warnings()
 
