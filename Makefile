@@ -40,6 +40,7 @@ slurm-deps:
 
 # Two test processes (pytest-xdist), each taking whole files: most tests are subprocesses that spend
 # their time importing torch, megatron-core and DeepSpeed on one core. TEST_WORKERS=1 runs them in one.
+# Each worker and the processes its tests start get cores / workers torch threads (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: install slurm-deps
 	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
