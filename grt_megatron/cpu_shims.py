@@ -128,13 +128,13 @@ def compile_at_first_call(fn: Callable | None = None, **options):
     `torch.compile`d function. A plain function, not a callable object: megatron decorates methods too."""
     if fn is None:
         return lambda f: compile_at_first_call(f, **options)
+    import torch  # here, at decoration (megatron's import), not at every call
+
     compiled = None
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
-        import torch
-
         if torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if compiled is None:
