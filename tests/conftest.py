@@ -21,10 +21,12 @@ def _share_the_cores_between_workers() -> None:
     threads and 12 s with one, on this suite's 2-core machine. torchrun already gives its ranks one thread.
     Set before torch is imported (its OpenMP runtime reads the variable when it loads); a value the caller
     set is kept."""
+    from grt_megatron.launch.grid import threads_per_job, usable_cores  # grt-grid's rule (imports no torch)
+
     if "PYTEST_XDIST_WORKER_COUNT" not in os.environ:  # xdist's controller, or a run without workers
         return
     workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    threads = os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_job(usable_cores(), 0, workers)))
     os.environ.setdefault("MKL_NUM_THREADS", threads)
     if "torch" in sys.modules:  # a plugin imported it first
         sys.modules["torch"].set_num_threads(int(threads))
