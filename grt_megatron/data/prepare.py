@@ -201,7 +201,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"tokenizing into {args.output_prefix}", flush=True)
 
     try:
-        from grt_megatron.console import quiet_known_warnings
+        from grt_megatron.console import import_frozen, quiet_known_warnings
 
         quiet_known_warnings()
         if args.workers < 1:
@@ -211,6 +211,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                             "vocabulary is used as it is")
         if args.vocab_size is None:
             args.vocab_size = 8192
+        # megatron-core's dataset writer (torch under it), which every preparation uses: imported with the
+        # collector off, then frozen, as the other commands do (~0.8 s of ~5.5 on a 2-core CPU).
+        import_frozen("megatron.core.datasets.indexed_dataset")
         policy = SourcePolicy(args.json_key, args.on_bad_record, args.on_decode_error)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         summary = prepare_dataset(
