@@ -1,6 +1,10 @@
 """Console hygiene shared by the command-line tools."""
 
-from conftest import json_from_fresh_process
+import json
+import subprocess
+import sys
+
+from conftest import REPO, cli_env, json_from_fresh_process
 
 _FROZEN_THEN_A_FILE_IN_A_CYCLE = """
 import gc, sys
@@ -55,3 +59,26 @@ def test_grt_train_trains_with_the_collector_on_and_its_imports_frozen(pydoc_pre
         "model=tiny", f"data={pydoc_prefix[0]}", "train.iters=2", "train.global_batch_size=2", "train.eval_iters=1",
         "logging.wandb=disabled", "logging.progress=false", f"run.dir={tmp_path}"], "GC ", timeout=300)
     assert len(seen) == 2 and all(enabled and frozen > 100_000 for enabled, frozen in seen), seen
+
+
+_ACCELERATOR_NAMED_AT_DEEPSPEEDS_IMPORT = """
+import json, os, sys
+os.environ.pop("DS_ACCELERATOR", None)
+from grt_megatron.console import quiet_known_warnings
+
+quiet_known_warnings()
+before = {"torch": "torch" in sys.modules, "named": "DS_ACCELERATOR" in os.environ}
+import deepspeed
+print("@@", json.dumps({**before, "after": os.environ.get("DS_ACCELERATOR")}))
+"""
+
+
+def test_deepspeeds_accelerator_is_named_at_its_import_and_torch_is_not_imported_before():
+    """A command that never imports DeepSpeed never imports torch for it (`grt-ckpt show`: 0.1 s, not 3 s);
+    one that does gets the accelerator named, so DeepSpeed does not warn that it detected one."""
+    proc = subprocess.run([sys.executable, "-c", _ACCELERATOR_NAMED_AT_DEEPSPEEDS_IMPORT], cwd=REPO,
+                          env={k: v for k, v in cli_env().items() if k != "DS_ACCELERATOR"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.split("@@")[-1]) == {"torch": False, "named": False, "after": "cpu"}
+    assert "Setting accelerator" not in proc.stdout + proc.stderr
