@@ -38,7 +38,7 @@ class _NameDeepSpeedAccelerator(importlib.abc.MetaPathFinder):
 def name_deepspeed_accelerator_at_its_import() -> None:
     """Naming DeepSpeed's accelerator skips its detection warning ("Setting accelerator to CPU"). The name
     needs torch (is CUDA there?), so it is set when DeepSpeed is first imported, not up front: a command
-    that never imports DeepSpeed (`grt-ckpt ls/show`: 0.2 s) then never imports torch either (3 s)."""
+    that never imports DeepSpeed (`grt-ckpt ls/show`: 0.1 s) then never imports torch either (3 s)."""
     if "DS_ACCELERATOR" in os.environ or "deepspeed" in sys.modules:
         return
     if not any(isinstance(f, _NameDeepSpeedAccelerator) for f in sys.meta_path):

@@ -3,7 +3,7 @@ their first use instead.
 
 megatron-core 0.16 runs `import wandb` while it is imported, in three modules a training run never calls
 into for logging (its inference engine and context, its timers' optional wandb writer). wandb's import
-(pydantic models, protobuf, its settings) is 1-2 s of every process that imports megatron-core, on every
+(pydantic models, protobuf, its settings) is about 1 s of every process that imports megatron-core, on every
 rank, though only the main rank logs to wandb and only when `logging.wandb` is not `disabled`
 (`training/metrics.py` imports it then). With a module loaded at first use, `import wandb` still succeeds
 wherever wandb is installed, so megatron-core's `HAVE_WANDB` checks read the same, and the first read of a
