@@ -9,7 +9,7 @@ from conftest import REPO, cli_env, json_from_fresh_process
 
 def test_importing_the_trainer_leaves_wandb_unloaded_until_a_run_uses_it():
     script = """
-import json, sys, time
+import json, sys
 import grt_megatron.training.trainer
 import megatron.core.inference.contexts.dynamic_context as context
 before = {"loaded": "wandb.sdk" in sys.modules, "have_wandb": context.HAVE_WANDB}
