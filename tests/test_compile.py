@@ -1,5 +1,7 @@
 """`train.compile`: compiled training equals eager, and a varying depth never recompiles."""
 
+import sys
+
 import pytest
 import torch
 
@@ -10,14 +12,14 @@ from grt_megatron.parallel.compile import apply_compile
 QUIET = ["logging.wandb=disabled", "logging.progress=false"]
 
 
-def _train(prefix, run_dir, extra=()):
+def _train(prefix, run_dir, extra=(), launcher=None):
     # GRT with noise, R ~ heavy tail (2 … 8 here) with backprop through the last 2 steps only, and
     # recurrence checkpointing: every path around the compiled step (no_grad steps, recompute, noise).
     proc = run_cli(["model=tiny", "data=indexed", f"data.prefixes=[{prefix}]", "model.depth_sampler=heavy_tail",
                     "+model.heavy_tail_k=2", "model.checkpoint_recurrence=true", "train.iters=8",
                     "train.eval_interval=4", "train.eval_iters=1", "train.global_batch_size=8",
                     "train.micro_batch_size=4", "checkpoint.save_at_end=false", f"run.dir={run_dir}", *QUIET,
-                    *extra])
+                    *extra], launcher=launcher)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_jsonl(run_dir / "metrics.jsonl")
 
@@ -40,6 +42,18 @@ def test_compiled_training_equals_eager_and_never_recompiles(pydoc_prefix, tmp_p
     after_eval = [r["compiled_graphs"] for r in steps if r["step"] > 4]
     assert len(set(after_eval)) == 1 and after_eval[0] <= 10, [r["compiled_graphs"] for r in steps]
     assert "compiled_graphs" not in eager[0]
+
+    # Tensor and sequence parallelism compile to the same graphs, none broken at a TP collective (megatron's
+    # asynchronous ones broke every TP linear's graph, and the recurrence step ran eager: 20 graphs in 2
+    # steps where one process builds 4), and still give one process's numbers.
+    sharded = _train(pydoc_prefix[0], tmp_path / "tp2-sp", ["train.compile=true", "parallel.tp=2", "parallel.sp=true"],
+                     launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                               "--master_port=29875"])
+    assert [r["compiled_graphs"] for r in sharded if "split" not in r] == [r["compiled_graphs"] for r in steps]
+    for e, c in zip(eager, sharded):
+        assert c["loss"] == pytest.approx(e["loss"], rel=1e-5), (e, c)
+        if e.get("grad_norm") is not None:
+            assert c["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-5), (e, c)
 
 
 @pytest.mark.parametrize("overrides", [
