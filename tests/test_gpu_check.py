@@ -139,13 +139,13 @@ def test_memory_ops_name_the_tensor_and_who_moved_it():
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(REPO))
-    from tools.bench.gpu_mfu import memory_ops
+    from tools.bench.gpu_mfu import memory_op_profiling, memory_ops
 
     def widen(t):
         return t.float()
 
     weights = torch.randn(96, 32, dtype=torch.bfloat16)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], **memory_op_profiling()) as prof:
         for _ in range(3):
             widen(weights.t())
         torch.zeros(5, 7).add_(1.0)

@@ -58,9 +58,7 @@ def kernel_busy_seconds(step) -> dict:
 
     torch.cuda.synchronize()
     try:
-        # Shapes and Python frames name the memory-bound ops (`memory_ops`); kernel durations do not change.
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
-                     with_stack=True) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **memory_op_profiling()) as prof:
             step()
             torch.cuda.synchronize()
         kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
@@ -96,6 +94,15 @@ MEMORY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::add", "aten
               "aten::zero_")
 
 
+def memory_op_profiling() -> dict:
+    """torch.profiler's options for `memory_ops`: shapes, and each op's Python stack. The stack needs the
+    verbose experimental config on torch 2.11 (the GPU machine's), whose events list no Python frames for
+    `cpu_parent` to reach (2.13's do); kernel durations do not change."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    return {"record_shapes": True, "with_stack": True, "experimental_config": _ExperimentalConfig(verbose=True)}
+
+
 def _caller(event) -> str:
     """The nearest Python frame (or autograd node) above a profiled op: who asked for it."""
     parent = event.cpu_parent
@@ -103,11 +110,12 @@ def _caller(event) -> str:
         if ".py(" in parent.name or parent.name.startswith("autograd::engine::evaluate_function"):
             return parent.name.split("site-packages/")[-1].replace("autograd::engine::evaluate_function: ", "")
         parent = parent.cpu_parent
-    return "?"
+    frames = [frame for frame in event.stack if ".py(" in frame]  # no Python frame among the events (2.11)
+    return frames[0].split("site-packages/")[-1] if frames else "?"
 
 
 def memory_ops(prof, rows: int = 12, on_device: bool = True) -> list:
-    """The memory-bound ops of a profiled step (`record_shapes` and `with_stack` on), outermost only (a copy_
+    """The memory-bound ops of a profiled step (`memory_op_profiling`'s options), outermost only (a copy_
     inside a _to_copy counts once), grouped by op, first input's shape and caller: [op, shape, caller,
     device ms (CPU ms where `on_device` is false), count], the most time first. This is what the GPU check's
     `top_kernels` cannot say: whether its copies are gradients, weights, activations or logits."""
