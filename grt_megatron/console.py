@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import importlib
 import importlib.abc
+import logging
 import os
 import sys
 import warnings
@@ -23,7 +24,18 @@ def quiet_known_warnings() -> None:
     ):
         warnings.filterwarnings("ignore", message=pattern)
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(megatron|deepspeed|torch\.jit).*")
+    # A CUDA build of torch on a node without a GPU but with a CUDA toolkit (a login node preparing data)
+    # logs this when megatron-core imports torch.utils.cpp_extension; nothing here builds an extension, and
+    # the line came before a refusal's one line.
+    cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
+    if _NoCudaRuntimeNotice not in {type(f) for f in cpp_extension_log.filters}:
+        cpp_extension_log.addFilter(_NoCudaRuntimeNotice())
     name_deepspeed_accelerator_at_its_import()
+
+
+class _NoCudaRuntimeNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
 
 
 class _NameDeepSpeedAccelerator(importlib.abc.MetaPathFinder):

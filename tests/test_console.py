@@ -82,3 +82,27 @@ def test_deepspeeds_accelerator_is_named_at_its_import_and_torch_is_not_imported
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.split("@@")[-1]) == {"torch": False, "named": False, "after": "cpu"}
     assert "Setting accelerator" not in proc.stdout + proc.stderr
+
+
+def test_torchs_no_cuda_runtime_notice_is_dropped_and_its_other_messages_kept():
+    """A CUDA build of torch on a node with a CUDA toolkit and no GPU logs "No CUDA runtime is found" from
+    torch.utils.cpp_extension when megatron-core imports it; before a refusal's one line, that made two.
+    (torch's CPU build never logs it, so the logger is called as torch 2.11's cpp_extension.py:140 calls it.)"""
+    import logging
+
+    from grt_megatron.console import quiet_known_warnings
+
+    quiet_known_warnings()
+    quiet_known_warnings()  # twice: still one filter
+    log = logging.getLogger("torch.utils.cpp_extension")
+    assert len(log.filters) == 1
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log.addHandler(handler)
+    try:
+        log.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local")
+        log.warning("Error checking compiler version for %s", "c++")
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["Error checking compiler version for c++"]
