@@ -118,11 +118,12 @@ def _tp_linear_for_compile(input, weight, bias=None, allreduce_dgrad=False, sequ
     Megatron's Function overlaps the backward's all-reduce (TP) or all-gather and reduce-scatter (SP) with
     the weight gradient through `async_op=True` collectives, which dynamo cannot trace: every TP linear
     broke its layer's graph, and at a break inside the recurrence step's loop over the core layers dynamo
-    gave the loop up to eager mode (20 graph pieces in a tiny GRT's 2 steps at TP 2 + SP, 4 graphs in one process). Here the same
-    collectives run through megatron's synchronous region functions, which dynamo traces as functional
-    collectives: all-gather the sequence shards (backward: reduce-scatter the input gradient), or pass
-    the input on (backward: all-reduce its gradient), then the local product, the same numbers.
-    Eager mode keeps megatron's Function and its overlap; compiled, inductor schedules the collectives."""
+    gave the loop up to eager mode (20 graph pieces in a tiny GRT's 2 steps at TP 2 + SP, 4 graphs in one
+    process). Here the same collectives run through megatron's synchronous region functions, which dynamo
+    traces as torch's functional collectives (`parallel/traceable_tp.py`): all-gather the sequence shards (backward:
+    reduce-scatter the input gradient), or pass the input on (backward: all-reduce its gradient), then the
+    local product, the same numbers. Eager mode keeps megatron's Function and its overlap; compiled,
+    inductor schedules the collectives."""
     from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                         gather_from_sequence_parallel_region)
 

@@ -22,6 +22,7 @@ import torch
 from megatron.core import parallel_state, utils as megatron_utils
 
 from grt_megatron.model.recurrent_block import GatedRecurrentBlock
+from grt_megatron.parallel.traceable_tp import register_traceable_tp
 
 _TRACEABLE_MEGATRON_REGISTERED = False
 
@@ -57,6 +58,7 @@ def apply_compile(model: torch.nn.Module) -> int:
     """Compile every `GatedRecurrentBlock`'s recurrence step and every layer outside it, in place, and
     switch the loss to its compiled chunk kernels. Returns the number of regions compiled."""
     register_traceable_megatron()
+    register_traceable_tp()
     regions = 0
     for module in model.modules():  # the model, or a pipeline and its units: whichever computes the loss
         if hasattr(module, "fused_loss"):
