@@ -46,7 +46,7 @@ PORT = iter(range(29610, 29700))
 # Each launch costs ~10 s of start-up (torch, megatron-core and DeepSpeed imported per rank) on CI's two cores,
 # so a layout is here for what no other one covers, and most cover several things at once:
 #   TP 2: alone (also bf16-mixed), with SP (documents), × DP 2 with ZeRO 2 and SP, × PP 2;
-#   PP 2: × DP 2, × TP 2, the dense model's stage split, documents, bf16-mixed;
+#   PP 2: × DP 2, × TP 2, × TP 2 with SP (documents), the dense model's stage split, bf16-mixed;
 #   ZeRO over DP 2: 1 (× PP 2), 2 (recompute; × TP 2; Ouro), 3 (recompute; RRT; bf16-mixed).
 # (One-process ZeRO stages, and DP 2 without ZeRO: test_train_cli.)
 LAYOUTS = [
@@ -63,9 +63,10 @@ LAYOUTS = [
     ("tiny_ouro", 2, ["deepspeed.zero_stage=2"]),
     ("tiny_rrt", 2, ["deepspeed.zero_stage=3", "model.checkpoint_recurrence=true"]),
     # Document masks: built from the tokens on every TP rank (SP: over the gathered sequence) and carried
-    # between pipeline stages.
+    # between pipeline stages, here with each TP rank's sequence part sent whole (DeepSpeed's default
+    # split-and-gather of the stage output over the TP group mixed the ranks' parts under SP).
     ("tiny+documents", 2, ["parallel.tp=2", "parallel.sp=true"]),
-    ("tiny+documents", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
+    ("tiny+documents", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "deepspeed.zero_stage=1"]),
     # fp32 weights under autocast: megatron's TP linears, ZeRO 3's gathered weights, a pipeline's stages.
     ("tiny+bf16-mixed", 2, ["parallel.tp=2"]),
     ("tiny+bf16-mixed", 2, ["deepspeed.zero_stage=3"]),

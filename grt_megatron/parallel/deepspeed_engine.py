@@ -97,6 +97,13 @@ def deepspeed_config(cfg: RunConfig, dp_size: int, clip_in_deepspeed: bool = Tru
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+    if cfg.parallel.pp > 1 and cfg.parallel.sp:
+        # DeepSpeed's pipeline sends each TP rank 1/TP of the activation (and of its gradient) and gathers the
+        # pieces over the TP group on arrival, which assumes the TP ranks hold the same tensor. Under SP each
+        # holds its own part of the sequence: the gathered tensor mixed the ranks' parts, and PP 2 x TP 2 + SP
+        # trained on wrong activations from the first step (loss 7.6264 where one process has 7.6199). Each
+        # rank sends its own part whole instead.
+        ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if t.precision == "bf16":
         # Gradients of bf16 layers are summed over micro-batches and over data-parallel ranks in fp32:
         # bf16's 8-bit mantissa would round small contributions away at every addition.
