@@ -54,14 +54,15 @@ def world():
     return init_distributed(seed=0)
 
 
-def tiny_config(**overrides):
+def tiny_config(parallel: dict | None = None, **overrides):
+    """The tiny GRT's config with recipe `overrides`; `parallel`: from_recipe's TP/SP settings."""
     from grt_megatron.model import GRTConfig
 
     recipe = dict(hidden_size=64, num_attention_heads=4, vocab_size=300, max_sequence_length=32,
                   prelude_layers=1, core_layers=1, coda_layers=1, recurrences=3, add_bias_linear=False,
                   hidden_dropout=0.0, attention_dropout=0.0)
     recipe.update(overrides)
-    return GRTConfig.from_recipe(recipe)
+    return GRTConfig.from_recipe(recipe, **(parallel or {}))
 
 
 def loss_and_grads(model, tokens):

@@ -100,16 +100,13 @@ def _tensor_parallel_worker(out: Path) -> None:
     import torch.distributed as dist
 
     from grt_megatron.distributed import init_distributed
-    from grt_megatron.model import GRTConfig, GRTLanguageModel
 
     init_distributed(tp=2, seed=0, timeout_minutes=2)
     tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
     result = {}
     for sp in (False, True):
-        recipe = dict(hidden_size=64, num_attention_heads=4, vocab_size=300, max_sequence_length=32,
-                      prelude_layers=1, core_layers=1, coda_layers=1, recurrences=3, add_bias_linear=False,
-                      hidden_dropout=0.0, attention_dropout=0.0, noise_sigma=0.0, depth_sampler="fixed")
-        cfg = GRTConfig.from_recipe(recipe, tensor_model_parallel_size=2, sequence_parallel=sp)
+        cfg = tiny_config(dict(tensor_model_parallel_size=2, sequence_parallel=sp), noise_sigma=0.0,
+                          depth_sampler="fixed")
         runs = []
         for compiled in (False, True):
             model = GRTLanguageModel(cfg, init_seed=3)

@@ -85,52 +85,43 @@ class _TorchAutogradWhenLocal:
     accumulation, no deferred weight gradients. Megatron's Function then computes
     `input @ weight.t() (+ bias)` and the same two products in backward, to the bit
     (tests/test_kernels.py), but in Python: about 0.1 ms a call in eager mode, 70–80 calls in a small GRT's
-    step on a CPU and the host time a GPU step waits for. Everything else goes to megatron's Function, or,
-    while torch.compile traces it, to `_tp_linear_for_compile`."""
+    step on a CPU and the host time a GPU step waits for. While torch.compile traces, the tensor-parallel
+    cases go there too (`_linear`); everything else goes to megatron's Function."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        local = (not args and weight.requires_grad and not kwargs.get("gradient_accumulation_fusion")
-                 and not kwargs.get("allreduce_dgrad") and not kwargs.get("sequence_parallel")
-                 and kwargs.get("grad_output_buffer") is None)
-        if not local:
-            if torch.compiler.is_compiling() and _compiles_with_sync_collectives(args, kwargs):
-                return _tp_linear_for_compile(input, weight, **kwargs)
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        # F.linear, not matmul(input, weight.t()): the same product (ATen's linear is that matmul without a
-        # bias), but autocast (`train.precision=bf16-mixed`) caches its cast of `weight`, a leaf, for the
-        # whole forward, where the transposed view would be cast again at every use: the shared core's
-        # weights would be cast R times forward and their gradients R times backward.
-        output = F.linear(input, weight)
-        bias = kwargs.get("bias")
-        return output if bias is None else output + bias
+        allreduce_dgrad, sequence_parallel = kwargs.get("allreduce_dgrad"), kwargs.get("sequence_parallel")
+        # What `_linear` has: no fused weight-gradient accumulation, no deferred weight gradients.
+        plain = (not args and not kwargs.get("gradient_accumulation_fusion") and kwargs.get("grad_output_buffer") is None
+                 and not (allreduce_dgrad and sequence_parallel))
+        communicates = allreduce_dgrad or sequence_parallel
+        if plain and (torch.compiler.is_compiling() or (not communicates and weight.requires_grad)):
+            return _linear(input, weight, **kwargs)
+        return super()._forward_impl(input, weight, *args, **kwargs)
 
 
-def _compiles_with_sync_collectives(args, kwargs) -> bool:
-    """Whether `_tp_linear_for_compile` computes what megatron's Function would for these arguments (it has
-    no fused weight-gradient accumulation and no deferred weight gradients)."""
-    return (not args and not kwargs.get("gradient_accumulation_fusion") and kwargs.get("grad_output_buffer") is None
-            and not (kwargs.get("allreduce_dgrad") and kwargs.get("sequence_parallel")))
+def _linear(input, weight, bias=None, allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **_unused):
+    """megatron's linear Function's numbers through torch's autograd: the product alone where the Function
+    would only multiply, and while torch.compile traces, its tensor-parallel collectives too (`train.compile`
+    with TP or SP).
 
-
-def _tp_linear_for_compile(input, weight, bias=None, allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
-                           **_unused):
-    """megatron's tensor-parallel linear as torch.compile can trace it (`train.compile` with TP or SP).
-    Megatron's Function overlaps the backward's all-reduce (TP) or all-gather and reduce-scatter (SP) with
-    the weight gradient through `async_op=True` collectives, which dynamo cannot trace: every TP linear
-    broke its layer's graph, and at a break inside the recurrence step's loop over the core layers dynamo
-    gave the loop up to eager mode (20 graph pieces in a tiny GRT's 2 steps at TP 2 + SP, 4 graphs in one
-    process). Here the same collectives run through megatron's synchronous region functions, which dynamo
-    traces as torch's functional collectives (`parallel/traceable_tp.py`): all-gather the sequence shards (backward:
-    reduce-scatter the input gradient), or pass the input on (backward: all-reduce its gradient), then the
-    local product, the same numbers. Eager mode keeps megatron's Function and its overlap; compiled,
+    Compiled: megatron's Function overlaps the backward's all-reduce (TP) or all-gather and reduce-scatter
+    (SP) with the weight gradient through `async_op=True` collectives, which dynamo cannot trace: every TP
+    linear broke its layer's graph, and at a break inside the recurrence step's loop over the core layers
+    dynamo gave the loop up to eager mode (20 graph pieces in a tiny GRT's 2 steps at TP 2 + SP, 4 graphs in
+    one process). Here the same collectives run through megatron's synchronous region functions, which
+    dynamo traces as torch's functional collectives (`parallel/traceable_tp.py`): all-gather the sequence
+    shards (backward: reduce-scatter the input gradient), or pass the input on (backward: all-reduce its
+    gradient), then the local product. Eager mode keeps megatron's Function and its overlap; compiled,
     inductor schedules the collectives."""
-    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                        gather_from_sequence_parallel_region)
-
     if sequence_parallel:
-        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+        input = tensor_parallel.gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
+                                                                     group=tp_group)
     elif allreduce_dgrad:
-        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        input = tensor_parallel.copy_to_tensor_model_parallel_region(input, group=tp_group)
+    # F.linear, not matmul(input, weight.t()): the same product (ATen's linear is that matmul without a
+    # bias), but autocast (`train.precision=bf16-mixed`) caches its cast of `weight`, a leaf, for the
+    # whole forward, where the transposed view would be cast again at every use: the shared core's
+    # weights would be cast R times forward and their gradients R times backward.
     output = F.linear(input, weight)
     return output if bias is None else output + bias
 

@@ -18,15 +18,15 @@ evaluation. `compiled_graphs` counts the graphs dynamo built; grt-train logs it,
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core import parallel_state, utils as megatron_utils
 
 from grt_megatron.model.recurrent_block import GatedRecurrentBlock
 from grt_megatron.parallel.traceable_tp import register_traceable_tp
 
-_TRACEABLE_MEGATRON_REGISTERED = False
-
-
+@functools.cache  # once per process
 def register_traceable_megatron() -> None:
     """Two megatron-core helpers that every layer's forward calls break dynamo's graph; while tracing,
     dynamo runs these equivalents instead (`torch.compiler.substitute_in_graph`; eager code is untouched):
@@ -35,9 +35,6 @@ def register_traceable_megatron() -> None:
     - `make_viewless_tensor` sets `.data` on a new tensor so that a layer's output holds no reference to
       the buffer it is a view of: dynamo refuses `.data` mutation, and a compiled graph's outputs are
       not views of its freed intermediates anyway."""
-    global _TRACEABLE_MEGATRON_REGISTERED
-    if _TRACEABLE_MEGATRON_REGISTERED:
-        return
 
     @torch.compiler.substitute_in_graph(megatron_utils.get_tensor_model_parallel_group_if_none)
     def tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
@@ -50,8 +47,6 @@ def register_traceable_megatron() -> None:
     @torch.compiler.substitute_in_graph(megatron_utils.make_viewless_tensor)
     def viewless_tensor(inp, requires_grad, keep_graph):
         return inp
-
-    _TRACEABLE_MEGATRON_REGISTERED = True
 
 
 def apply_compile(model: torch.nn.Module) -> int:

@@ -13,13 +13,12 @@ the other). The numbers are megatron's: the same collectives on the same tensors
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import mappings
-
-_REGISTERED = False
-
 
 def _group(group):
     return parallel_state.get_tensor_model_parallel_group() if group is None else group
@@ -80,11 +79,9 @@ class _SplitLastGatherGradient(torch.autograd.Function):
         return torch.cat(stacked.chunk(ctx.group.size(), dim=0), dim=-1), None
 
 
+@functools.cache
 def register_traceable_tp() -> None:
     """Register the stand-ins once per process (before the first compiled call traces)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
 
     @torch.compiler.substitute_in_graph(mappings.copy_to_tensor_model_parallel_region)
     def copy_to_tensor_model_parallel_region(input_, group=None):
@@ -122,5 +119,3 @@ def register_traceable_tp() -> None:
         if input_split_sizes is not None:
             raise NotImplementedError("uneven sequence shards under torch.compile")
         return funcol.reduce_scatter_tensor_autograd(input_.contiguous(), "sum", 0, group)
-
-    _REGISTERED = True
