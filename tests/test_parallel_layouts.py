@@ -46,7 +46,7 @@ PORT = iter(range(29610, 29700))
 # Each launch costs ~10 s of start-up (torch, megatron-core and DeepSpeed imported per rank) on CI's two cores,
 # so a layout is here for what no other one covers, and most cover several things at once:
 #   TP 2: alone (also bf16-mixed), with SP (documents), × DP 2 with ZeRO 2 and SP, × PP 2;
-#   PP 2: × DP 2, × TP 2, × TP 2 with SP (documents), the dense model's stage split, bf16-mixed;
+#   PP 2: × DP 2, × TP 2, × TP 2 with SP (documents), the dense model's stage split, bf16-mixed; PP 4 (bf16-mixed);
 #   ZeRO over DP 2: 1 (× PP 2), 2 (recompute; × TP 2; Ouro), 3 (recompute; RRT; bf16-mixed).
 # (One-process ZeRO stages, and DP 2 without ZeRO: test_train_cli.)
 LAYOUTS = [
@@ -71,6 +71,11 @@ LAYOUTS = [
     ("tiny+bf16-mixed", 2, ["parallel.tp=2"]),
     ("tiny+bf16-mixed", 2, ["deepspeed.zero_stage=3"]),
     ("tiny+bf16-mixed", 2, ["parallel.pp=2", "deepspeed.zero_stage=1"]),
+    # PP 4 puts the embedding alone on the first stage (deepspeed_engine.py): one kind of parameter, so one
+    # optimizer group where the other stages have two, and ZeRO 1 reduced each group's norm across the
+    # stages (every rank waited forever in the first step); and the next stage takes fp32 in and gives bf16
+    # out, whose gradient DeepSpeed received into its fp32 input buffer (grad norm 51.7 for 1.57).
+    ("tiny+bf16-mixed", 4, ["parallel.pp=4", "deepspeed.zero_stage=1"]),
 ]
 
 
@@ -91,6 +96,15 @@ def test_layout_matches_one_process(references, pydoc_prefix, tmp_path, model, p
         if "grad_norm" in w:
             # The grad norm catches what a few losses would not, e.g. SP norm grads not summed over TP.
             assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=rel), (g, w)
+        # The recurrence diagnostics are over every validation window and every rank's part of it (they
+        # were the first micro-batch of the logging rank's share: rank 0's half of each sequence under SP,
+        # other windows under DP, none with pipeline stages).
+        # A dense model split into pipeline layers has no core to record (one process records its one step).
+        if model != "tiny_dense" or "parallel.pp=2" not in layout:
+            diagnostics = [k for k in w if k.startswith(("gate_mean_r", "relative_update_r"))]
+            assert diagnostics or w.get("split") != "valid", w
+            for key in diagnostics:
+                assert g.get(key) == pytest.approx(w[key], rel=rel), (key, g, w)
 
 
 @pytest.mark.parametrize("args,procs,needle", [
