@@ -86,6 +86,25 @@ def test_gate_is_about_0_98_at_init(world):
         assert g == pytest.approx(torch.sigmoid(torch.tensor(4.0)).item(), abs=0.01)  # 0.982
 
 
+def test_recurrence_stats_are_over_all_windows_whatever_the_split(world):
+    """The diagnostics are sums divided once: two half-batches (two DP ranks' shares, or two micro-batches)
+    give the whole batch's numbers; the first half alone (what was recorded before) does not."""
+    model = build(tiny_config(recurrences=3, gate_bias_init=0.0)).eval()
+    x = tokens(batch=4)
+    with torch.no_grad(), recording_recurrence_stats(model.block) as whole:
+        model(x)
+    with torch.no_grad(), recording_recurrence_stats(model.block) as halves:
+        model(x[:2])
+        model(x[2:])
+    with torch.no_grad(), recording_recurrence_stats(model.block) as first:
+        model(x[:2])
+    assert len(whole) == len(halves) == 3
+    for w, h, f in zip(whole, halves, first):
+        assert h["gate_mean"] == pytest.approx(w["gate_mean"], rel=1e-6)
+        assert h["relative_update"] == pytest.approx(w["relative_update"], rel=1e-6)
+        assert abs(f["relative_update"] / w["relative_update"] - 1) > 1e-4
+
+
 def test_noise_only_in_training(world):
     model = build(tiny_config(noise_sigma=0.1))
     x = tokens()

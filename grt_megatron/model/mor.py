@@ -92,8 +92,8 @@ def run_mor(block, h_pre: torch.Tensor, inputs: StepInputs, recurrences: int) ->
         w = torch.sigmoid(logits.gather(0, chosen)).unsqueeze(-1)
         update = torch.where(valid.unsqueeze(-1), x + w * (o - x), x)
         h_new = h.scatter(0, active.unsqueeze(-1).expand(-1, -1, d), update)
-        if block.step_hooks:  # diagnostics only: the mask and the count would cost a sync every step
-            block.call_step_hooks(h, h_new, w[valid], active_fraction=float(valid.sum()) / (s * b))
+        if block.step_hooks:  # diagnostics only: the masked gate is a sync (its size), so only when asked
+            block.call_step_hooks(h, h_new, w[valid], step=r, active=valid.sum(), positions=s * b)
         h = h_new
     block.aux_loss = torch.stack(aux).sum() if aux else None
     return h.to(dtype)

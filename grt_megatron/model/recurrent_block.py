@@ -132,9 +132,11 @@ class GatedRecurrentBlock(MegatronModule):
         self.step_hooks[handle.id] = hook
         return handle
 
-    def call_step_hooks(self, h, h_new, g, **extra: float) -> None:
+    def call_step_hooks(self, h, h_new, g, step: int, **extra) -> None:
+        """Each hook gets the state before and after recurrence `step` (0-based), the gate (a tensor, a
+        float for the fixed gate, None without one) and the variant's extras (model/diagnostics.py)."""
         for hook in self.step_hooks.values():
-            hook(h, h_new, g, **extra)
+            hook(h, h_new, g, step=step, **extra)
 
     def _inject(self, h_in: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
         z = torch.cat([h_in, h_pre], dim=-1)
@@ -164,7 +166,7 @@ class GatedRecurrentBlock(MegatronModule):
         with self.lora.at(step) if self.lora is not None else nullcontext():
             h_new, g = self.step_math(h, h_pre, eps_x, eps_g, inputs.attention_mask, inputs.rotary_pos_emb,
                                       add_prelude)
-        self.call_step_hooks(h, h_new, g)
+        self.call_step_hooks(h, h_new, g, step=step)
         return h_new
 
     def step_math(self, h, h_pre, eps_x, eps_g, attention_mask, rotary_pos_emb, add_prelude: bool):

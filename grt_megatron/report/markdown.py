@@ -89,7 +89,7 @@ def markdown(rows: list[dict], command: str) -> str:
                     if k.startswith(("gate_mean_r", "relative_update_r")))
         lines += ["", "## Gate and state update at the last evaluation", "",
                   "Per recurrence r: mean gate value g (or MoR's router weight; — where the model has no gate) / "
-                  "relative state update ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ (first validation micro-batch, mean over "
+                  "relative state update ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ (over the validation windows, mean over "
                   "seeds). A gate that stays at its initial sigmoid(4) ≈ 0.982 has not learned.", "",
                   "| cell | " + " | ".join(f"r={k}" for k in range(1, depth + 1)) + " |", "|---|" + "---:|" * depth]
         for r in recurrent:

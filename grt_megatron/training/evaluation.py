@@ -30,8 +30,8 @@ class Evaluator:
 
     def validate(self, step: int) -> float:
         """Validation loss at the configured R, logged (`split: valid`) with, per recurrence, the mean gate
-        and ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ of the first validation micro-batch (does the gate learn, does the
-        state still move; not recorded with pipeline stages)."""
+        and ‖h_r − h_{r−1}‖ / ‖h_{r−1}‖ over all validation windows (does the gate learn, does the state
+        still move; model/diagnostics.py), the same numbers in every layout."""
         loss, stats = self.runner.validation_loss(self.valid_rows, record_stats=True)
         gates = {f"{key}_r{r + 1}": value for r, step_stats in enumerate(stats)
                  for key, value in step_stats.items() if value == value}  # NaN: no gate in this model

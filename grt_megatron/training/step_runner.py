@@ -8,6 +8,7 @@ process's numbers (tests/test_parallel_layouts.py).
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -23,6 +24,7 @@ from grt_megatron.model import DepthDraw
 from grt_megatron.model.layers import document_ids_of
 from grt_megatron.model.diagnostics import recording_recurrence_stats
 from grt_megatron.parallel.parallelize import ParallelModel
+from grt_megatron.parallel.pipeline import PipelineUnit
 from grt_megatron.training.config import RunConfig
 from grt_megatron.training.step_guard import LossSpikeDetector, NonFiniteStepGuard, clip_grad_norm
 
@@ -59,6 +61,16 @@ class StepRunner:
         """Mean loss per token over the validation windows (this rank takes its share; noise off), and
         with `record_stats` the recurrence diagnostics of the first micro-batch (empty when unavailable)."""
         raise NotImplementedError
+
+    def _recording(self, block, recurrences: Optional[int], record_stats: bool):
+        """With `record_stats`: the recurrence diagnostics of every validation window `block` runs (None on
+        a pipeline stage without the core), summed over all ranks when the context exits, so that every
+        layout records the same numbers (model/diagnostics.py). Without: an empty list."""
+        if not record_stats:
+            return nullcontext([])
+        steps = recurrences or self.engine.module.config.recurrences
+        return recording_recurrence_stats(block, steps=steps, device=self.info.device,
+                                          reduce=dist.all_reduce if self.info.world_size > 1 else None)
 
     def _to_device(self, rows) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(tokens, labels, document ids or None) on the device from rows of token ids (numpy, or a tensor
@@ -141,21 +153,17 @@ class PlainStepRunner(StepRunner):
         self.engine.eval()
         mine = valid_rows[self.info.dp_rank :: self.info.dp_size]
         loss_sum, counted = device_zeros(dtype=torch.float64), 0  # loss summed over tokens, tokens
-        stats: list[dict[str, float]] = []
-        for start in range(0, len(mine), self.micro_batch):
-            tokens, labels, documents = self._to_device(mine[start : start + self.micro_batch])
-            if start == 0 and record_stats:
-                with recording_recurrence_stats(self.engine.module.block) as stats:
-                    loss = self.engine(tokens, labels, recurrences, document_ids=documents)
-            else:
+        with self._recording(self.engine.module.block, recurrences, record_stats) as stats:
+            for start in range(0, len(mine), self.micro_batch):
+                tokens, labels, documents = self._to_device(mine[start : start + self.micro_batch])
                 loss = self.engine(tokens, labels, recurrences, document_ids=documents)
-            if self.loss_mask is None:
-                loss_sum += loss.double().sum()
-                counted += loss.numel()
-            else:
-                weights = self.loss_mask(np.asarray(mine[start : start + self.micro_batch]))
-                loss_sum += (loss.double() * device_tensor(weights, dtype=torch.float64)).sum()
-                counted += float(weights.sum())
+                if self.loss_mask is None:
+                    loss_sum += loss.double().sum()
+                    counted += loss.numel()
+                else:
+                    weights = self.loss_mask(np.asarray(mine[start : start + self.micro_batch]))
+                    loss_sum += (loss.double() * device_tensor(weights, dtype=torch.float64)).sum()
+                    counted += float(weights.sum())
         self.engine.train()
         sums = torch.stack([loss_sum, device_tensor(float(counted), dtype=torch.float64)])
         if self.info.dp_size > 1:
@@ -173,7 +181,8 @@ class PlainStepRunner(StepRunner):
 
 class PipelinedStepRunner(StepRunner):
     """DeepSpeed's pipeline engine: whole micro-batches flow through the stages; it reports the mean loss
-    after the step (so a non-finite one is known only then) and records no recurrence diagnostics."""
+    after the step (so a non-finite one is known only then). The recurrence diagnostics come from the stage
+    that holds the core (a dense model split into layers has none)."""
 
     def __init__(self, parallel: ParallelModel, cfg: RunConfig, info: DistributedInfo, spikes: LossSpikeDetector,
                  valid_samples: int, document_eos: Optional[int] = None):
@@ -196,8 +205,11 @@ class PipelinedStepRunner(StepRunner):
         mine = valid_rows[self.info.dp_rank * per_rank : (self.info.dp_rank + 1) * per_rank]
         r = recurrences or self.engine.module.config.recurrences
         batches = self._micro_batches(mine, [0] * len(mine), (r, r))
-        loss = self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))  # eval mode: no noise
-        return float(loss), []
+        core = next((unit.block for unit in self.engine.module.modules()
+                     if isinstance(unit, PipelineUnit) and unit.unit == "core"), None)
+        with self._recording(core, r, record_stats) as stats:
+            loss = self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))  # eval mode: no noise
+        return float(loss), stats
 
     def _micro_batches(self, rows, seeds: Sequence[int], depth: tuple[int, int]) -> list:
         """((tokens, noise seeds, depth[, document ids]), labels) per micro-batch: what DeepSpeed's pipeline
