@@ -59,7 +59,7 @@ class StepRunner:
     def validation_loss(self, valid_rows: np.ndarray, recurrences: Optional[int] = None,
                         record_stats: bool = False) -> tuple[float, list[dict[str, float]]]:
         """Mean loss per token over the validation windows (this rank takes its share; noise off), and
-        with `record_stats` the recurrence diagnostics of the first micro-batch (empty when unavailable)."""
+        with `record_stats` the recurrence diagnostics over all of them and all ranks (`_recording`)."""
         raise NotImplementedError
 
     def _recording(self, block, recurrences: Optional[int], record_stats: bool):
