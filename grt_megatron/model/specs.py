@@ -96,6 +96,13 @@ class _TorchAutogradWhenLocal:
         communicates = allreduce_dgrad or sequence_parallel
         if plain and (torch.compiler.is_compiling() or (not communicates and weight.requires_grad)):
             return _linear(input, weight, **kwargs)
+        device = input.device.type
+        if torch.is_autocast_enabled(device) and input.is_floating_point():
+            # Under autocast (`bf16-mixed`) megatron's Function gets the input autocast would multiply: with
+            # SP it allocates the reduce-scatter's output in the input's dtype (fp32 after a norm) for a bf16
+            # gradient, which gloo and NCCL refuse, so TP 2 + SP crashed in the first backward. The same
+            # numbers (the product casts it anyway), and the all-gather and the saved input in half the bytes.
+            input = input.to(torch.get_autocast_dtype(device))
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 
