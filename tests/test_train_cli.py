@@ -139,6 +139,7 @@ def test_bad_input_is_one_clear_line(tmp_path, pydoc_prefix, args, needle):
     (["model.hidden_size=-128"], "model.hidden_size must be >= 1, got -128"),
     (["train.skip_loss_spikes=true"], "train.skip_loss_spikes=true needs train.loss_spike_factor"),
     (["train.fused_adam=true", "train.optimizer=deepspeed"], "train.fused_adam=true applies to train.optimizer=torch"),
+    (["train.optimizer=deepspeed"], "train.optimizer=deepspeed needs train.torch_adam=true"),
     # Once accepted in silence: a run at another length than recorded, an LR that climbs, negative MFU.
     (["train.seq_length=0"], "train.seq_length must be >= 1 (or null: model.max_sequence_length), got 0"),
     (["train.lr=0.001", "train.min_lr=0.05"], "train.min_lr=0.05 is not valid: it must be a finite number >= 0 "

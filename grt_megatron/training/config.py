@@ -84,8 +84,8 @@ class TrainConfig:
     optimizer: str = "torch"
     """`torch`: torch.optim.AdamW built by us; `deepspeed`: the AdamW of DeepSpeed's config."""
     torch_adam: bool = False
-    """With optimizer=deepspeed: DeepSpeed builds torch's AdamW instead of its fused/CPU Adam
-    (which JIT-compiles for about a minute on first use)."""
+    """With optimizer=deepspeed, required: DeepSpeed builds torch's AdamW instead of its FusedAdam (whose
+    state checkpoints cannot hold, and which JIT-compiles for about a minute on first use)."""
     fused_adam: bool = False
     """With optimizer=torch: torch's fused AdamW, one kernel over the fp32 master weights and moments
     instead of the ~10 elementwise passes of its default (on an H200 the default took 7.8 ms of a 68 ms
@@ -334,8 +334,13 @@ def check_optimizer_settings(t: TrainConfig, pp: int) -> None:
         if not ok:
             raise ConfigError(f"train.{name}={value!r} is not valid: it must be {wanted}")
     if t.fused_adam and t.optimizer != "torch":
-        raise ConfigError("train.fused_adam=true applies to train.optimizer=torch; DeepSpeed's optimizer is fused "
-                          "already unless train.torch_adam=true")
+        raise ConfigError("train.fused_adam=true applies to train.optimizer=torch (train.optimizer=deepspeed "
+                          "has its own optimizer settings)")
+    if t.optimizer == "deepspeed" and not t.torch_adam:
+        # Refused here, before any process group or engine: checkpointer.OptimizerState refused it only
+        # after the engine was built, some 10 s into the run.
+        raise ConfigError("train.optimizer=deepspeed needs train.torch_adam=true: checkpoints hold torch's "
+                          "AdamW state, and DeepSpeed's default there is its own FusedAdam")
     if t.skip_loss_spikes and t.loss_spike_factor is None:
         raise ConfigError("train.skip_loss_spikes=true needs train.loss_spike_factor (e.g. 3.0)")
     if pp > 1 and (t.skip_loss_spikes or t.inject_nan_at):
