@@ -258,7 +258,15 @@ def main(argv: list[str] | None = None) -> int:
         manager = task_manager(args.tasks, args.include_path)
         created = not output.exists()
         output.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".grt-eval-export-", dir=output) as tmp:
+        # SIGTERM is held while the folder is made: landing between mkdtemp and the finalizer that
+        # TemporaryDirectory sets up next, it left the folder behind (seen once in CI). From then on the
+        # `with`, or on an earlier unwind the finalizer, removes it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            export_dir = tempfile.TemporaryDirectory(prefix=".grt-eval-export-", dir=output)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        with export_dir as tmp:
             if checkpoint is not None:
                 from grt_megatron.hf.convert import export_checkpoint
 
