@@ -15,6 +15,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.zero.utils import get_norm_dtype
 from megatron.core import parallel_state
 
+from grt_megatron.device import device_zeros
 from grt_megatron.parallel.layout import split_global_batch
 from grt_megatron.training.config import RunConfig
 
@@ -207,8 +208,7 @@ def reduce_grad_norm_once(optimizer: DeepSpeedZeroOptimizer) -> None:
                     continue
                 if is_model_parallel_parameter(p) or optimizer.model_parallel_rank == 0:
                     squares.append(torch.linalg.vector_norm(g.detach().to(get_norm_dtype())).square())
-        total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=get_norm_dtype(),
-                                                                       device=optimizer.device)
+        total = torch.stack(squares).sum() if squares else device_zeros(dtype=get_norm_dtype())
         total = total.to(optimizer.device)
         deepspeed.comm.all_reduce(total, group=optimizer.dp_process_group)
         deepspeed.comm.all_reduce(total, group=optimizer.model_parallel_group)
