@@ -46,8 +46,8 @@ PORT = iter(range(29610, 29700))
 # Each launch costs ~10 s of start-up (torch, megatron-core and DeepSpeed imported per rank) on CI's two cores,
 # so a layout is here for what no other one covers, and most cover several things at once:
 #   TP 2: alone (also bf16-mixed), with SP (documents; bf16-mixed), × DP 2 with ZeRO 2 and SP, × PP 2;
-#   PP 2: × DP 2, × TP 2, × TP 2 with SP (documents), the dense model's stage split; PP 4 (bf16-mixed: a
-#   pipeline under autocast, the embedding alone on a stage, the core on a middle one);
+#   PP 2: × DP 2, × TP 2, × TP 2 with SP (documents), the dense model's stage split; PP 3 (bf16-mixed: a
+#   pipeline under autocast, split points putting the embedding alone on a stage);
 #   ZeRO over DP 2: 1 (× PP 2), 2 (recompute; × TP 2; Ouro), 3 (recompute; RRT; bf16-mixed).
 # (One-process ZeRO stages, and DP 2 without ZeRO: test_train_cli.)
 LAYOUTS = [
@@ -74,12 +74,14 @@ LAYOUTS = [
     # input's dtype (fp32 after a norm), which gloo and NCCL refuse (specs._TorchAutogradWhenLocal).
     ("tiny+bf16-mixed", 2, ["parallel.tp=2", "parallel.sp=true"]),
     ("tiny+bf16-mixed", 2, ["deepspeed.zero_stage=3"]),
-    # PP 4 puts the embedding alone on the first stage (deepspeed_engine.py): one kind of parameter, so one
-    # optimizer group where the other stages have two, and ZeRO 1 reduced each group's norm across the
-    # stages (every rank waited forever in the first step); and the next stage takes fp32 in and gives bf16
-    # out, whose gradient DeepSpeed received into its fp32 input buffer (grad norm 51.7 for 1.57).
-    ("tiny+bf16-mixed", 4, ["parallel.pp=4", "deepspeed.zero_stage=1"]),
+    # The embedding alone on the first stage, as split points can put it (and the balanced split does at
+    # as many stages as units), and the core on the last (deepspeed_engine.py): one kind of parameter,
+    # so one optimizer group where the other stages have two, and ZeRO 1 reduced each group's norm across
+    # the stages (every rank waited forever in the first step); and the middle stage takes fp32 in and
+    # gives bf16 out, whose gradient DeepSpeed received into its fp32 input buffer (grad norm 50.3 for 1.57).
+    ("tiny+bf16-mixed", 3, ["parallel.pp=3", "parallel.pp_split_points=[layer.0,core]", "deepspeed.zero_stage=1"]),
 ]
+STAGES = {"parallel.pp_split_points=[layer.0,core]": "embedding (0%) | layer.0 (12%) | core layer.2 final_norm head"}
 
 
 @pytest.mark.parametrize("model,procs,layout", LAYOUTS, ids=[f"{m}-{n}p-" + "-".join(a) for m, n, a in LAYOUTS])
@@ -89,6 +91,9 @@ def test_layout_matches_one_process(references, pydoc_prefix, tmp_path, model, p
                    launcher=[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
                              f"--master_port={next(PORT)}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for option, stages in STAGES.items():
+        if option in layout:
+            assert f"pipeline stages: {stages}" in proc.stdout, proc.stdout[-2000:]
     got = read_jsonl(tmp_path / "metrics.jsonl")
     want = references[model]
     assert len(got) == len(want) == STEPS + 1

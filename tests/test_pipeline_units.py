@@ -18,15 +18,47 @@ def test_balanced_stage_starts():
     assert balanced_stage_starts([1, 1, 1, 1], 4) == [0, 1, 2, 3]
     with pytest.raises(ConfigError, match="only 4 pipeline units"):
         balanced_stage_starts([1, 1, 1, 1], 5)
+    # A head that costs 2 layers: among the splits at the core's pace (4), the embedding joins the prelude
+    # layer instead of standing alone, and the final norm goes with the head.
+    assert balanced_stage_starts([0, 1, 4, 1, 0, 2], 4) == [0, 2, 3, 4]
+    # 8 layers and a head of 2: layers alone would give [2, 2, 2, 2 + head]; the head's stage takes fewer.
+    assert balanced_stage_starts([0, *[1] * 8, 0, 2], 4) == [0, 3, 5, 8]  # 2 | 2 | 3 | 1 + 0 + 2
+    # Integers throughout: FLOPs of real shapes (10^9 per token and more) split exactly.
+    big = [0, *[12 * 10**9] * 24, 0, 42 * 10**9]
+    stages = balanced_stage_starts(big, 4) + [len(big)]
+    assert max(sum(big[a:b]) for a, b in zip(stages, stages[1:])) == 7 * 12 * 10**9
 
 
 def test_units_keep_the_core_whole_and_split_dense(world):
+    from grt_megatron.model.flops import _layer_flops, _recurrence_extra_flops
+
     grt = tiny_config(prelude_layers=2, core_layers=3, coda_layers=1, recurrences=4)
-    units, costs = pipeline_units(grt, init_seed=0)
-    assert costs == [0, 1, 1, 12, 1, 0, 0] and len(units) == len(costs)
+    units, costs = pipeline_units(grt, init_seed=0, seq_len=32)
+    layer, head = _layer_flops(grt, 32), 2 * grt.hidden_size * grt.padded_vocab_size
+    assert _recurrence_extra_flops(grt) > 0
+    assert costs == [0, layer, layer, 4 * (3 * layer + _recurrence_extra_flops(grt)), layer, 0, head]
+    assert len(units) == len(costs)
     dense = tiny_config(prelude_layers=0, core_layers=4, coda_layers=0, recurrences=1, gate="none",
                         injection="none", noise_sigma=0.0)
-    assert pipeline_units(dense, init_seed=0)[1] == [0, 1, 1, 1, 1, 0, 0]
+    assert pipeline_units(dense, init_seed=0, seq_len=32)[1] == [0, layer, layer, layer, layer, 0, head]
+
+
+def test_medium_shapes_balance_the_head():
+    """The partitions the medium recipes get (d 1024, GPT-2 vocabulary, seq 1024): the dense model's head
+    (3.5 layers) no longer lands on a last stage of 6 layers, and the GRT's stages beside its core do not
+    leave the embedding alone."""
+    from grt_megatron.model.config import GRTConfig
+    from grt_megatron.model.flops import pipeline_unit_flops
+
+    shape = dict(hidden_size=1024, num_attention_heads=16, vocab_size=50257, max_sequence_length=1024)
+    dense = GRTConfig(**shape, prelude_layers=0, core_layers=24, recurrences=1, coda_layers=0, gate="none",
+                      injection="none", noise_sigma=0.0)
+    costs = pipeline_unit_flops(dense, 1024)
+    assert balanced_stage_starts(costs, 4) == [0, 8, 15, 22]  # 7 | 7 | 7 | 2 + head (3.5 layers)
+    grt = GRTConfig(**shape, prelude_layers=2, core_layers=5, recurrences=4, coda_layers=2, gate="mlp",
+                    injection="concat_project")
+    costs = pipeline_unit_flops(grt, 1024)
+    assert balanced_stage_starts(costs, 5) == [0, 2, 3, 4, 6]  # embed + P0 | P1 | core | C0 C1 | norm + head
 
 
 def test_pieces_built_alone_have_the_full_models_weights(world):
@@ -62,6 +94,32 @@ def test_layout_check_counts_pipeline_units():
         validate_layout(world_size=8, pp=8, model=model, **common)
     dense = dict(model, prelude_layers=0, coda_layers=0, core_layers=6, recurrences=1, gate="none", injection="none")
     assert validate_layout(world_size=8, pp=8, model=dense, **common) == 1  # dense layers are units each
+
+
+def test_split_points_name_units_and_are_refused_with_the_units_listed():
+    from grt_megatron.parallel import validate_layout
+    from grt_megatron.parallel.layout import pipeline_unit_names
+
+    assert pipeline_unit_names(2, 3, 1, dense=False) == [
+        "embedding", "layer.0", "layer.1", "core", "layer.5", "final_norm", "head"]
+    assert pipeline_unit_names(0, 3, 0, dense=True) == ["embedding", "layer.0", "layer.1", "layer.2", "final_norm",
+                                                        "head"]
+    model = dict(prelude_layers=1, core_layers=2, coda_layers=1, recurrences=4, gate="mlp", injection="add",
+                 num_attention_heads=4, hidden_size=64)
+    common = dict(world_size=4, tp=1, sp=False, zero_stage=1, seq_length=32, micro_batch=1, global_batch=8)
+    assert validate_layout(pp=4, model=model, split_points=["layer.0", "core", "layer.3"], **common) == 1
+    for points, pp, needle in (
+        (["core"], 4, r"names 1 units; parallel.pp=4 needs 3 \(where stages 2..4 begin\)"),
+        (["layer.1"], 2, "layer.1 is not a pipeline unit of this model; its units: embedding, layer.0, core, "
+                         "layer.3, final_norm, head"),
+        (["core", "layer.0"], 3, "must be in model order"),
+        (["core", "core"], 3, "must be in model order"),
+        (["embedding"], 2, "must be in model order, after the first"),
+        (["core"], 1, r"parallel.pp_split_points=\['core'\] needs parallel.pp > 1"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            validate_layout(pp=pp, model=model, split_points=points, **{**common, "world_size": pp})
+    assert validate_layout(pp=1, model=model, split_points=[], **{**common, "world_size": 1}) == 1
 
 
 def test_a_stage_reads_each_micro_batchs_seeds_and_depth_once(world):

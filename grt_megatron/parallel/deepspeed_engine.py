@@ -165,8 +165,8 @@ def keep_pipe_buffers_per_dtype(engine) -> None:
     fp32 one of enough elements exists gets a view of the fp32 one. A stage whose input and output differ
     in dtype then receives its output's gradient into a buffer of its input's dtype, and trains on garbage.
     Under `bf16-mixed` that is the stage after the embedding alone (fp32 in, bf16 out of a layer): the tiny
-    GRT at PP 4 reported grad norm 51.7 where one process has 1.57 (gloo; NCCL would be handed mismatched
-    sizes). Same dtype, same sharing as DeepSpeed's; another dtype, another buffer.
+    GRT at PP 4 (then split by layer count) reported grad norm 51.7 where one process has 1.57 (gloo; NCCL
+    would be handed mismatched sizes). Same dtype, same sharing as DeepSpeed's; another dtype, another buffer.
     """
 
     def allocate_or_extend_buffers(idx, shape, dtype):
@@ -191,7 +191,8 @@ def reduce_grad_norm_once(optimizer: DeepSpeedZeroOptimizer) -> None:
     biases; DeepSpeed drops an empty one), so a stage that holds only one kind makes fewer reductions than
     the others and every rank waits forever in the first optimizer step (DeepSpeed issue #1522, open since
     2021). That is the embedding alone on the first stage: the shared baseline at PP 2, the tiny GRT at
-    PP 4, the medium GRT at PP 5 (`balanced_stage_starts`). Here each rank sums the squared norms of all its
+    PP 4 and the medium GRT at PP 5 when stages were balanced by layer count; now where
+    `parallel.pp_split_points` puts it, or with as many stages as units. Here each rank sums the squared norms of all its
     groups first, as Megatron-LM does: the same terms, counted by DeepSpeed's rules (pipeline-replicated
     copies once, TP-replicated ones on TP rank 0), one reduction over the data-parallel group and one over
     the model-parallel group. A non-finite norm is reported as inf, as DeepSpeed's combined group norms are.

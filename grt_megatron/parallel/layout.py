@@ -7,7 +7,7 @@ below, so a layout is refused with one reason, the same everywhere. Pure functio
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from grt_megatron.errors import ConfigError
 
@@ -39,12 +39,33 @@ def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
     return world_size // (tp * pp)
 
 
-def pipeline_unit_costs(prelude: int, core: int, coda: int, recurrences: int, dense: bool) -> list[int]:
-    """Layer executions of each pipeline unit, in order: embedding, prelude layers, the core (one unit
-    of K·R, or K units of 1 in a dense model, which has no recurrence to keep whole), coda layers, final
-    norm, head. `parallel/pipeline.py` builds exactly these units."""
-    middle = [1] * core if dense else [core * recurrences]
-    return [0, *[1] * prelude, *middle, *[1] * coda, 0, 0]
+def pipeline_unit_names(prelude: int, core: int, coda: int, dense: bool) -> list[str]:
+    """The pipeline units of a model, in order, by the names `parallel.pp_split_points` takes: embedding,
+    layer.<i> for each prelude layer, core (the recurrent core: all K layers and R recurrences, one unit),
+    or layer.<i> for each of a dense model's K layers (no recurrence to keep whole), layer.<i> for each
+    coda layer, final_norm, head. `parallel/pipeline.py` builds exactly these units."""
+    middle = [f"layer.{prelude + i}" for i in range(core)] if dense else ["core"]
+    return ["embedding", *(f"layer.{i}" for i in range(prelude)), *middle,
+            *(f"layer.{prelude + core + i}" for i in range(coda)), "final_norm", "head"]
+
+
+def stage_starts_from_split_points(names: Sequence[str], split_points: Sequence[str], pp: int) -> list[int]:
+    """The first unit of each stage, from `parallel.pp_split_points` (the units stages 2..pp begin at, as
+    torchtitan's `pipeline_parallel_split_points`). Refused, naming the field, unless there are pp - 1 of
+    them, each a unit of this model, in order."""
+    given = f"parallel.pp_split_points={list(split_points)}"
+    if len(split_points) != pp - 1:
+        raise ConfigError(f"{given} names {len(split_points)} units; parallel.pp={pp} needs {pp - 1} (where "
+                          f"stages 2..{pp} begin)")
+    unknown = [name for name in split_points if name not in names]
+    if unknown:
+        raise ConfigError(f"{given}: {', '.join(map(str, unknown))} is not a pipeline unit of this model; its "
+                          f"units: {', '.join(names)}")
+    starts = [0, *(names.index(name) for name in split_points)]
+    if any(b <= a for a, b in zip(starts, starts[1:])):
+        raise ConfigError(f"{given}: the units must be in model order, after the first ({names[0]}), each "
+                          f"once; the units: {', '.join(names)}")
+    return starts
 
 
 def check_pipeline_stages(stages: int, units: int) -> None:
@@ -82,9 +103,10 @@ def check_mor_layout(routing: str, *, tp: int, sp: bool, pp: int) -> None:
 
 
 def validate_layout(*, world_size: int, tp: int, pp: int, sp: bool, zero_stage: int, model: Mapping,
-                    seq_length: int, micro_batch: Optional[int], global_batch: int) -> int:
+                    seq_length: int, micro_batch: Optional[int], global_batch: int,
+                    split_points: Optional[Sequence[str]] = None) -> int:
     """Refuse layouts that cannot work, with the reason, before anything is launched. `model` is the model
-    recipe (a mapping). Returns the data-parallel size."""
+    recipe (a mapping); `split_points`, `parallel.pp_split_points`. Returns the data-parallel size."""
     dp = data_parallel_size(world_size, tp, pp)
     heads, hidden = model.get("num_attention_heads", 1), model.get("hidden_size", 1)
     ffn = model.get("ffn_hidden_size") or 4 * hidden
@@ -106,7 +128,12 @@ def validate_layout(*, world_size: int, tp: int, pp: int, sp: bool, zero_stage: 
     if pp > 1:
         p, k, c = (int(model.get(f"{name}_layers", 1)) for name in ("prelude", "core", "coda"))
         dense = model.get("recurrences", 1) == 1 and model.get("gate") == "none" and model.get("injection") == "none"
-        check_pipeline_stages(pp, len(pipeline_unit_costs(p, k, c, int(model.get("recurrences", 1)), dense)))
+        names = pipeline_unit_names(p, k, c, dense)
+        check_pipeline_stages(pp, len(names))
+        if split_points is not None:
+            stage_starts_from_split_points(names, split_points, pp)
+    elif split_points:
+        raise ConfigError(f"parallel.pp_split_points={list(split_points)} needs parallel.pp > 1")
     if pp > 1 and zero_stage == 0:
         raise ConfigError(f"parallel.pp={pp} needs deepspeed.zero_stage=1: with ZeRO 0, DeepSpeed's pipeline "
                           "engine clips with a wrong gradient norm (tied and TP-replicated gradients "

@@ -52,7 +52,8 @@ def parallelize(model_config: GRTConfig, cfg: RunConfig) -> ParallelModel:
     pipelined = cfg.parallel.pp > 1
     if pipelined:
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
-        model = GRTPipelineModule(model_config, cfg.seed, cfg.parallel.pp, dp_size)
+        model = GRTPipelineModule(model_config, cfg.seed, cfg.parallel.pp, dp_size, cfg.seq_length,
+                                  cfg.parallel.pp_split_points)
     else:
         model = GRTLanguageModel(model_config, init_seed=cfg.seed)
     if model_config.sequence_parallel:

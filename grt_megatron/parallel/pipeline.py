@@ -10,7 +10,8 @@ of a single-process one (each piece is initialised from its own seed, model/init
 Units, in order: embedding (tied with the head), one unit per prelude layer, the recurrent core (all R
 recurrences, injection and gate — one unit, so the recurrence never crosses a stage boundary; a dense
 model has no recurrence and its layers are units of their own), one unit per coda layer, the final norm,
-the head. Stages take contiguous units, balanced by layer executions (the core counts K·R).
+the head. Stages take contiguous units, balanced by forward FLOPs (the core counts K·R layers with its
+gate and projection, the head 2·d·V).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from megatron.core import parallel_state
 from grt_megatron.model.config import GRTConfig
 from grt_megatron.model.language_model import GRTLanguageModel, attention_mask_of, vocab_parallel_loss
 from grt_megatron.model.layers import StepInputs, run_layers
-from grt_megatron.parallel.layout import check_pipeline_stages, pipeline_unit_costs
+from grt_megatron.model.flops import pipeline_unit_flops
+from grt_megatron.parallel.layout import check_pipeline_stages, pipeline_unit_names, stage_starts_from_split_points
 
 TIED_WEIGHT = "embedding.word_embeddings.weight"
 
@@ -104,8 +106,8 @@ def tied_head(unit: PipelineUnit, hidden: torch.Tensor) -> torch.Tensor:
     return unit.logits(hidden)
 
 
-def pipeline_units(config: GRTConfig, init_seed: int) -> tuple[list, list[int]]:
-    """The LayerSpecs in order and the layer executions each costs (for partitioning)."""
+def pipeline_units(config: GRTConfig, init_seed: int, seq_len: int) -> tuple[list, list[int]]:
+    """The LayerSpecs in order and the forward FLOPs per token each costs (for partitioning)."""
     if config.tie_embeddings:
         first = TiedLayerSpec("embed", PipelineUnit, config, init_seed, "embedding", tied_weight_attr=TIED_WEIGHT)
         last = TiedLayerSpec("embed", PipelineUnit, config, init_seed, "embedding", forward_fn=tied_head,
@@ -121,41 +123,58 @@ def pipeline_units(config: GRTConfig, init_seed: int) -> tuple[list, list[int]]:
         units.append(LayerSpec(PipelineUnit, config, init_seed, "core"))
     units += [LayerSpec(PipelineUnit, config, init_seed, "layer", i) for i in range(p + k, config.num_layers)]
     units += [LayerSpec(PipelineUnit, config, init_seed, "final_norm"), last]
-    return units, pipeline_unit_costs(p, k, config.coda_layers, config.recurrences, config.is_dense)
+    costs = pipeline_unit_flops(config, seq_len)
+    assert len(costs) == len(units)
+    return units, costs
 
 
 def balanced_stage_starts(costs: Sequence[int], stages: int) -> list[int]:
-    """Contiguous, non-empty stages minimising the costliest stage (ties: earlier boundaries)."""
+    """Contiguous, non-empty stages: first the costliest stage as cheap as it can be (the pipeline's
+    pace), then, among those splits, the smallest sum of squared stage costs, so the cheap units spread out
+    instead of a stage holding the embedding alone (ties: the same split every time). Exact, in integers."""
     n = len(costs)
     check_pipeline_stages(stages, n)
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[j][i]: minimal max-cost splitting units[:i] into j stages; cut[j][i]: start of the last stage.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for j in range(1, stages + 1):
-        for i in range(j, n + 1):
-            for start in range(j - 1, i):
-                value = max(best[j - 1][start], prefix[i] - prefix[start])
-                if value < best[j][i]:
-                    best[j][i], cut[j][i] = value, start
-    starts, i = [], n
-    for j in range(stages, 0, -1):
-        i = cut[j][i]
-        starts.append(i)
-    return starts[::-1]
+
+    def split(value_of):
+        """Dynamic programme over (stages so far, units so far); `value_of(previous, stage cost)`."""
+        best = [[None] * (n + 1) for _ in range(stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(stages + 1)]
+        best[0][0] = 0
+        for j in range(1, stages + 1):
+            for i in range(j, n - (stages - j) + 1):
+                for start in range(j - 1, i):
+                    if best[j - 1][start] is None:
+                        continue
+                    value = value_of(best[j - 1][start], prefix[i] - prefix[start])
+                    if value is not None and (best[j][i] is None or value < best[j][i]):
+                        best[j][i], cut[j][i] = value, start
+        starts, i = [], n
+        for j in range(stages, 0, -1):
+            i = cut[j][i]
+            starts.append(i)
+        return best[stages][n], starts[::-1]
+
+    pace, _ = split(max)
+    return split(lambda total, stage: None if stage > pace else total + stage * stage)[1]
 
 
 class GRTPipelineModule(PipelineModule):
     """DeepSpeed's PipelineModule with our partition (`balanced_stage_starts`) instead of its methods."""
 
-    def __init__(self, config: GRTConfig, init_seed: int, pp: int, dp_size: int):
-        units, costs = pipeline_units(config, init_seed)
+    def __init__(self, config: GRTConfig, init_seed: int, pp: int, dp_size: int, seq_len: int,
+                 split_points: Optional[Sequence[str]] = None):
+        units, costs = pipeline_units(config, init_seed, seq_len)
         tp = config.tensor_model_parallel_size
-        self.stage_starts = balanced_stage_starts(costs, pp)
+        self.unit_names = pipeline_unit_names(config.prelude_layers, config.core_layers, config.coda_layers,
+                                              config.is_dense)
+        assert len(self.unit_names) == len(units)
+        if split_points is None:
+            self.stage_starts = balanced_stage_starts(costs, pp)
+        else:
+            self.stage_starts = stage_starts_from_split_points(self.unit_names, split_points, pp)
         self.unit_costs = costs
         super().__init__(
             layers=units,
@@ -166,6 +185,14 @@ class GRTPipelineModule(PipelineModule):
         )
         self.config = config
         self.fused_loss = False  # as GRTLanguageModel's: set by train.compile
+
+    def describe_stages(self) -> str:
+        """The stages' units and each one's share of the forward FLOPs, as grt-train prints them."""
+        bounds = [*self.stage_starts, len(self.unit_names)]
+        total = sum(self.unit_costs) or 1
+        return " | ".join(
+            f"{' '.join(self.unit_names[a:b])} ({100 * sum(self.unit_costs[a:b]) / total:.0f}%)"
+            for a, b in zip(bounds, bounds[1:]))
 
     def _partition_layers(self, method="uniform"):
         self.parts = [*self.stage_starts, len(self._layer_specs)]

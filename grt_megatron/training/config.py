@@ -162,6 +162,10 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     sp: bool = False
+    pp_split_points: Optional[list[str]] = None
+    """The pipeline units where stages 2..pp begin, e.g. [core, layer.3] (as torchtitan's
+    `pipeline_parallel_split_points`); units: embedding, layer.<i>, core, final_norm, head. None: stages
+    balanced by forward FLOPs (`parallel.pipeline.balanced_stage_starts`). grt-train prints the stages."""
     timeout_minutes: int = 30
     """How long a collective may wait (NCCL's own default is 10 min): the other ranks wait in one while
     rank 0 alone prepares a corpus (`data.source`) or verifies a checkpoint's hashes on resume."""
@@ -283,6 +287,7 @@ class RunConfig:
             world_size=world_size, tp=self.parallel.tp, pp=self.parallel.pp, sp=self.parallel.sp,
             zero_stage=self.deepspeed.zero_stage, model=self.model, seq_length=self.seq_length,
             micro_batch=self.train.micro_batch_size, global_batch=self.train.global_batch_size,
+            split_points=self.parallel.pp_split_points,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -201,6 +201,8 @@ class Trainer:
             print(f"SLURM job {job['job_id']}, restart {job['restart_count']}", flush=True)
         if info.is_main:
             print(f"kernels: {describe_kernels(self.model_config)}", flush=True)
+            if self.parallel.pipelined:
+                print(f"pipeline stages: {self.parallel.engine.module.describe_stages()}", flush=True)
             slow = slow_bf16_warning(cfg.train.precision, info.device)
             if slow:
                 print(slow, flush=True)
