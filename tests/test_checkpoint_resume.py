@@ -75,6 +75,30 @@ def test_resume_is_bit_exact(pydoc_prefix, tmp_path, name, procs, layout):
     assert len(want) == 3 and got == want  # steps 3, 4 and the eval: losses and grad norms identical
 
 
+def test_resume_with_the_pipeline_cut_elsewhere_reseeds_and_continues(pydoc_prefix, tmp_path):
+    """Parameters are saved by name, not by stage, so a run resumes with its stages cut elsewhere (split
+    points, or a checkpoint from before stages were balanced by FLOPs); its layers then sit on other ranks,
+    whose saved RNG streams are not theirs, so it reseeds as a resharded resume does and says so. Without
+    dropout the curve continues within rounding."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    layout = ["parallel.pp=2", "deepspeed.zero_stage=1"]
+    proc = run_cli([*_args(pydoc_prefix[0], dropout=0.0, extra=layout), f"run.dir={straight}"], launcher=_torchrun(2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pipeline stages: embedding layer.0 core (" in proc.stdout  # balanced: layer.2 starts stage 2
+    half = straight / "checkpoints" / "step_00000002"
+    proc = run_cli([*_args(pydoc_prefix[0], dropout=0.0, extra=[*layout, "parallel.pp_split_points=[core]"]),
+                    f"run.dir={resumed}", f"resume={half}"], launcher=_torchrun(2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"resumed from {half} at step 2 (2048 tokens); saved with pipeline stages split at ['layer.2'], now "
+            "at ['core'], RNG states reseeded") in proc.stdout, proc.stdout[-2000:]
+    want, got = _curve(straight, after=2), _curve(resumed)
+    assert [w[:2] for w in want] == [g[:2] for g in got] and len(want) == 3
+    for w, g in zip(want, got):
+        assert g[2] == pytest.approx(w[2], rel=1e-5)
+        if w[3] is not None:
+            assert g[3] == pytest.approx(w[3], rel=1e-5)
+
+
 RESHARD = {"dp2-zero0": ["deepspeed.zero_stage=0"], "dp2-zero1": ["deepspeed.zero_stage=1"],
            "dp2-zero3": ["deepspeed.zero_stage=3"], "tp2": ["parallel.tp=2"]}
 

@@ -186,6 +186,12 @@ class GRTPipelineModule(PipelineModule):
         self.config = config
         self.fused_loss = False  # as GRTLanguageModel's: set by train.compile
 
+    @property
+    def split_points(self) -> list[str]:
+        """The units stages 2..pp begin at, as `parallel.pp_split_points` names them (saved with a checkpoint:
+        a resume that cuts the stages elsewhere gives layers other ranks' RNG streams, so it reseeds)."""
+        return [self.unit_names[i] for i in self.stage_starts[1:]]
+
     def describe_stages(self) -> str:
         """The stages' units and each one's share of the forward FLOPs, as grt-train prints them."""
         bounds = [*self.stage_starts, len(self.unit_names)]

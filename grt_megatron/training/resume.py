@@ -123,8 +123,12 @@ def restore_checkpoint(path: Path, saved: dict, engine, pipelined: bool, padded_
     not map onto this layout, drop later metrics and move newer checkpoints of an abandoned timeline aside."""
     saved_layout = saved["layout"]
     same_layout = all(saved_layout[k] == layout[k] for k in ("world_size", "tp", "pp"))
+    # Where the pipeline's stages begin: a layer on another stage would draw its dropout from another rank's
+    # RNG stream. Checkpoints before 2026-12-07 do not say (their stages were balanced by layer count).
+    saved_split = saved_layout.get("pp_split_points", [] if saved_layout["pp"] == 1 else None)
+    same_stages = same_layout and saved_split == layout["pp_split_points"]
     try:
-        loaded = load_checkpoint(path, engine, pipelined, padded_vocab_size, restore_rngs=same_layout)
+        loaded = load_checkpoint(path, engine, pipelined, padded_vocab_size, restore_rngs=same_stages)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
     step = int(saved["step"])
@@ -135,6 +139,9 @@ def restore_checkpoint(path: Path, saved: dict, engine, pipelined: bool, padded_
         if not same_layout:
             note = (f"; saved with tp={saved_layout['tp']} pp={saved_layout['pp']} on "
                     f"{saved_layout['world_size']} processes, resharded")
+        elif not same_stages:
+            where = "by layer count" if saved_split is None else f"at {saved_split}"
+            note = f"; saved with pipeline stages split {where}, now at {layout['pp_split_points']}"
         if not loaded["rng_restored"]:
             note += ", RNG states reseeded"
         print(f"resumed from {path} at step {step} ({saved['tokens']} tokens){note}", flush=True)

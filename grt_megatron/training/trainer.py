@@ -372,7 +372,8 @@ class Trainer:
     def _layout(self) -> dict:
         c = self.cfg
         return {"world_size": self.info.world_size, "tp": c.parallel.tp, "pp": c.parallel.pp, "dp": self.info.dp_size,
-                "sp": c.parallel.sp, "zero_stage": c.deepspeed.zero_stage, "precision": c.train.precision}
+                "sp": c.parallel.sp, "zero_stage": c.deepspeed.zero_stage, "precision": c.train.precision,
+                "pp_split_points": self.engine.module.split_points if self.pipelined else []}
 
     def _write_run_info(self) -> None:
         info = {
