@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -129,3 +131,17 @@ def write_result(path: str, payload: dict) -> Path:
     out = Path(path)
     write_atomic(out, json.dumps(payload, indent=2) + "\n")
     return out
+
+
+def launch_grt_train(procs: int, overrides: list[str], port: int, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`grt-train OVERRIDES` under torchrun on `procs` processes, as a user would launch it (no launcher
+    variables inherited); a failed run raises with its error lines."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={port}",
+           "-m", "grt_megatron.training.cli", *overrides]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() and "Warn" not in line]
+        raise RuntimeError(f"{cmd}: " + "\n".join(errors[-8:]))
+    return proc
+

@@ -25,7 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
-from tools.bench.common import REPO, argument_parser, cpu_model, parse_args, stamp, write_result  # noqa: E402
+from tools.bench.common import (  # noqa: E402
+    REPO, argument_parser, cpu_model, launch_grt_train, parse_args, stamp, write_result,
+)
 
 
 def layer_count_split_points(model: str, vocab: int, pp: int) -> list[str]:
@@ -51,13 +53,7 @@ def run(args, run_dir: Path, split_points: list[str] | None) -> tuple[list[dict]
              f"run.dir={run_dir}"]
     if split_points:
         train.append(f"parallel.pp_split_points=[{','.join(split_points)}]")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.pp}", "--master_port=29978",
-           "-m", "grt_megatron.training.cli", *train]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode:
-        errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() and "Warn" not in line]
-        raise RuntimeError(f"{cmd}: " + "\n".join(errors[-8:]))
+    proc = launch_grt_train(args.pp, train, port=29978)
     stages = next(line for line in proc.stdout.splitlines() if line.startswith("pipeline stages: "))
     shares = [float(s) for s in re.findall(r"\((\d+)%\)", stages)]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -90,8 +86,8 @@ def main() -> None:
             print(f"{name:<12} {tps:>9.0f} tokens/s   {stages}", flush=True)
     old, new = rows
     result = {
-        **stamp("pipeline_balance"), "cpu": cpu_model(), "cpus": os.cpu_count(), "model": args.model, "vocab_size": args.vocab,
-        "pp": args.pp, "results": rows,
+        **stamp("pipeline_balance"), "cpu": cpu_model(), "cpus": os.cpu_count(), "model": args.model,
+        "vocab_size": args.vocab, "pp": args.pp, "results": rows,
         "flops_split_over_layer_split_tokens_per_s": new["tokens_per_s"] / old["tokens_per_s"],
         "expected_from_costliest_stage": old["costliest_stage_share"] / new["costliest_stage_share"],
     }

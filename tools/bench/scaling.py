@@ -22,7 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
-from tools.bench.common import REPO, argument_parser, parse_args, stamp, write_result  # noqa: E402
+from tools.bench.common import (  # noqa: E402
+    REPO, argument_parser, launch_grt_train, parse_args, stamp, write_result,
+)
 
 LAYOUTS = [("1 process", 1, []), ("DP 2", 2, []), ("DP 2, ZeRO 1", 2, ["deepspeed.zero_stage=1"]),
            ("TP 2", 2, ["parallel.tp=2"]), ("DP 4", 4, []), ("TP 2 × DP 2", 4, ["parallel.tp=2"]),
@@ -34,13 +36,7 @@ def run(procs: int, layout: list[str], args, run_dir: Path) -> list[dict]:
              "train.micro_batch_size=4", "train.eval_interval=100000", "train.eval_iters=1", "logging.wandb=disabled",
              "logging.progress=false", "checkpoint.save_at_end=false", "model.depth_sampler=fixed",
              f"run.dir={run_dir}", *layout]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--master_port=29977",
-           "-m", "grt_megatron.training.cli", *train]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode:
-        errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() and "Warn" not in line]
-        raise RuntimeError(f"{cmd}: " + "\n".join(errors[-8:]))
+    launch_grt_train(procs, train, port=29977)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
