@@ -145,3 +145,14 @@ def launch_grt_train(procs: int, overrides: list[str], port: int, timeout: int =
         raise RuntimeError(f"{cmd}: " + "\n".join(errors[-8:]))
     return proc
 
+
+def prepared_prefix(data: str, tmp: str) -> str:
+    """`data` if it is a prepared prefix, else the corpus prepared once into `tmp` (a 2048-piece tokenizer
+    trained on it), for every launch of a benchmark to reuse."""
+    if Path(data + ".idx").is_file():
+        return data
+    subprocess.run([sys.executable, "-m", "grt_megatron.data.prepare", "--input", data, "--output-prefix",
+                    f"{tmp}/data", "--train-tokenizer", "--vocab-size", "2048"], cwd=REPO, check=True,
+                   capture_output=True)
+    return f"{tmp}/data"
+

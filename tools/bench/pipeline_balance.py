@@ -18,7 +18,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
 from tools.bench.common import (  # noqa: E402
-    REPO, argument_parser, cpu_model, launch_grt_train, parse_args, stamp, write_result,
+    argument_parser, cpu_model, launch_grt_train, parse_args, prepared_prefix, stamp, write_result,
 )
 
 
@@ -72,11 +71,7 @@ def main() -> None:
     old_points = layer_count_split_points(args.model, args.vocab, args.pp)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        if not Path(args.data + ".idx").is_file():  # prepare once, reuse in both runs
-            subprocess.run([sys.executable, "-m", "grt_megatron.data.prepare", "--input", args.data,
-                            "--output-prefix", f"{tmp}/data", "--train-tokenizer", "--vocab-size", "2048"],
-                           cwd=REPO, check=True, capture_output=True)
-            args.data = f"{tmp}/data"
+        args.data = prepared_prefix(args.data, tmp)
         for name, points in (("layer count", old_points), ("FLOPs", None)):
             records, shares, stages = run(args, Path(tmp) / name.replace(" ", "_"), points)
             steps = [r for r in records if "split" not in r][args.skip:]

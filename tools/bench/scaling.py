@@ -15,7 +15,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
 from tools.bench.common import (  # noqa: E402
-    REPO, argument_parser, launch_grt_train, parse_args, stamp, write_result,
+    argument_parser, launch_grt_train, parse_args, prepared_prefix, stamp, write_result,
 )
 
 LAYOUTS = [("1 process", 1, []), ("DP 2", 2, []), ("DP 2, ZeRO 1", 2, ["deepspeed.zero_stage=1"]),
@@ -49,11 +48,7 @@ def main() -> None:
     args = parse_args(parser, "scaling")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        if not Path(args.data + ".idx").is_file():  # prepare once, reuse in every layout
-            subprocess.run([sys.executable, "-m", "grt_megatron.data.prepare", "--input", args.data,
-                            "--output-prefix", f"{tmp}/data", "--train-tokenizer", "--vocab-size", "2048"],
-                           cwd=REPO, check=True, capture_output=True)
-            args.data = f"{tmp}/data"
+        args.data = prepared_prefix(args.data, tmp)
         for name, procs, layout in LAYOUTS:
             records = run(procs, layout, args, Path(tmp) / re.sub(r"\W+", "_", name))  # hydra-safe path
             steps = [r for r in records if "split" not in r][args.skip:]
