@@ -192,10 +192,10 @@ def reduce_grad_norm_once(optimizer: DeepSpeedZeroOptimizer) -> None:
     the others and every rank waits forever in the first optimizer step (DeepSpeed issue #1522, open since
     2021). That is the embedding alone on the first stage: the shared baseline at PP 2, the tiny GRT at
     PP 4 and the medium GRT at PP 5 when stages were balanced by layer count; now where
-    `parallel.pp_split_points` puts it, or with as many stages as units. Here each rank sums the squared norms of all its
-    groups first, as Megatron-LM does: the same terms, counted by DeepSpeed's rules (pipeline-replicated
-    copies once, TP-replicated ones on TP rank 0), one reduction over the data-parallel group and one over
-    the model-parallel group. A non-finite norm is reported as inf, as DeepSpeed's combined group norms are.
+    `parallel.pp_split_points` puts it, or with as many stages as units. Here each rank sums the squared
+    norms of all its groups first, as Megatron-LM does: the same terms, counted by DeepSpeed's rules
+    (pipeline-replicated copies once, TP-replicated ones on TP rank 0), one reduction over the
+    data-parallel group and one over the model-parallel group. A non-finite norm is reported as inf, as DeepSpeed's combined group norms are.
     """
     assert not optimizer.cpu_offload and not optimizer.has_moe_layers, "not configured by grt-megatron"
 
