@@ -33,14 +33,14 @@ def test_units_keep_the_core_whole_and_split_dense(world):
     from grt_megatron.model.flops import _layer_flops, _recurrence_extra_flops
 
     grt = tiny_config(prelude_layers=2, core_layers=3, coda_layers=1, recurrences=4)
-    units, costs = pipeline_units(grt, init_seed=0, seq_len=32)
+    names, units, costs = pipeline_units(grt, init_seed=0, seq_len=32)
     layer, head = _layer_flops(grt, 32), 2 * grt.hidden_size * grt.padded_vocab_size
     assert _recurrence_extra_flops(grt) > 0
     assert costs == [0, layer, layer, 4 * (3 * layer + _recurrence_extra_flops(grt)), layer, 0, head]
-    assert len(units) == len(costs)
+    assert len(units) == len(costs) == len(names)
     dense = tiny_config(prelude_layers=0, core_layers=4, coda_layers=0, recurrences=1, gate="none",
                         injection="none", noise_sigma=0.0)
-    assert pipeline_units(dense, init_seed=0, seq_len=32)[1] == [0, layer, layer, layer, layer, 0, head]
+    assert pipeline_units(dense, init_seed=0, seq_len=32)[2] == [0, layer, layer, layer, layer, 0, head]
 
 
 def test_medium_shapes_balance_the_head():
@@ -49,15 +49,16 @@ def test_medium_shapes_balance_the_head():
     leave the embedding alone."""
     from grt_megatron.model.config import GRTConfig
     from grt_megatron.model.flops import pipeline_unit_flops
+    from grt_megatron.parallel.layout import pipeline_unit_names
 
     shape = dict(hidden_size=1024, num_attention_heads=16, vocab_size=50257, max_sequence_length=1024)
     dense = GRTConfig(**shape, prelude_layers=0, core_layers=24, recurrences=1, coda_layers=0, gate="none",
                       injection="none", noise_sigma=0.0)
-    costs = pipeline_unit_flops(dense, 1024)
-    assert balanced_stage_starts(costs, 4) == [0, 8, 15, 22]  # 7 | 7 | 7 | 2 + head (3.5 layers)
+    costs = pipeline_unit_flops(dense, 1024, pipeline_unit_names(0, 24, 0, dense=True))
+    assert balanced_stage_starts(costs, 4) == [0, 8, 15, 22]  # 7 | 7 | 7 | 3 + head (3.5 layers)
     grt = GRTConfig(**shape, prelude_layers=2, core_layers=5, recurrences=4, coda_layers=2, gate="mlp",
                     injection="concat_project")
-    costs = pipeline_unit_flops(grt, 1024)
+    costs = pipeline_unit_flops(grt, 1024, pipeline_unit_names(2, 5, 2, dense=False))
     assert balanced_stage_starts(costs, 5) == [0, 2, 3, 4, 6]  # embed + P0 | P1 | core | C0 C1 | norm + head
 
 

@@ -99,16 +99,12 @@ def count_parameters(cfg: GRTConfig) -> dict[str, int]:
     return parts
 
 
-def pipeline_unit_flops(cfg: GRTConfig, seq_len: int) -> list[int]:
-    """Forward FLOPs per token of each pipeline unit, in `parallel/pipeline.py`'s order: embedding (a
-    lookup: 0), prelude layers, the core (all R recurrences with injection and gate, or K layers of its
-    own in a dense model), coda layers, final norm (0), head (2·d·V). What stages are balanced by: the
-    head of a GPT-2 vocabulary costs several layers (3.5 at the medium shape), so counting layers alone
-    would leave it on an overloaded last stage."""
+def pipeline_unit_flops(cfg: GRTConfig, seq_len: int, units: list[str]) -> list[int]:
+    """Forward FLOPs per token of each pipeline unit, named as `parallel.layout.pipeline_unit_names` names
+    them: embedding (a lookup: 0), layer.<i>, core (all R recurrences with injection and gate), final_norm
+    (0), head (2·d·V). What stages are balanced by: the head of a GPT-2 vocabulary costs several layers
+    (3.5 at the medium shape), so counting layers alone would leave it on an overloaded last stage."""
     layer = _layer_flops(cfg, seq_len)
-    if cfg.is_dense:
-        middle = [layer] * cfg.core_layers
-    else:
-        middle = [cfg.recurrences * (cfg.core_layers * layer + _recurrence_extra_flops(cfg))]
-    head = 2 * cfg.hidden_size * cfg.padded_vocab_size
-    return [0, *[layer] * cfg.prelude_layers, *middle, *[layer] * cfg.coda_layers, 0, head]
+    cost = {"embedding": 0, "final_norm": 0, "head": 2 * cfg.hidden_size * cfg.padded_vocab_size,
+            "core": cfg.recurrences * (cfg.core_layers * layer + _recurrence_extra_flops(cfg))}
+    return [layer if name.startswith("layer.") else cost[name] for name in units]

@@ -195,7 +195,8 @@ def reduce_grad_norm_once(optimizer: DeepSpeedZeroOptimizer) -> None:
     `parallel.pp_split_points` puts it, or with as many stages as units. Here each rank sums the squared
     norms of all its groups first, as Megatron-LM does: the same terms, counted by DeepSpeed's rules
     (pipeline-replicated copies once, TP-replicated ones on TP rank 0), one reduction over the
-    data-parallel group and one over the model-parallel group. A non-finite norm is reported as inf, as DeepSpeed's combined group norms are.
+    data-parallel group and one over the model-parallel group. A non-finite norm is reported as inf, as
+    DeepSpeed's combined group norms are.
     """
     assert not optimizer.cpu_offload and not optimizer.has_moe_layers, "not configured by grt-megatron"
 

@@ -106,26 +106,21 @@ def tied_head(unit: PipelineUnit, hidden: torch.Tensor) -> torch.Tensor:
     return unit.logits(hidden)
 
 
-def pipeline_units(config: GRTConfig, init_seed: int, seq_len: int) -> tuple[list, list[int]]:
-    """The LayerSpecs in order and the forward FLOPs per token each costs (for partitioning)."""
-    if config.tie_embeddings:
-        first = TiedLayerSpec("embed", PipelineUnit, config, init_seed, "embedding", tied_weight_attr=TIED_WEIGHT)
-        last = TiedLayerSpec("embed", PipelineUnit, config, init_seed, "embedding", forward_fn=tied_head,
-                             tied_weight_attr=TIED_WEIGHT)
-    else:
-        first = LayerSpec(PipelineUnit, config, init_seed, "embedding")
-        last = LayerSpec(PipelineUnit, config, init_seed, "output_layer")
-    p, k = config.prelude_layers, config.core_layers
-    units = [first, *(LayerSpec(PipelineUnit, config, init_seed, "layer", i) for i in range(p))]
-    if config.is_dense:  # no recurrence: the core layers can sit on different stages
-        units += [LayerSpec(PipelineUnit, config, init_seed, "layer", i) for i in range(p, p + k)]
-    else:
-        units.append(LayerSpec(PipelineUnit, config, init_seed, "core"))
-    units += [LayerSpec(PipelineUnit, config, init_seed, "layer", i) for i in range(p + k, config.num_layers)]
-    units += [LayerSpec(PipelineUnit, config, init_seed, "final_norm"), last]
-    costs = pipeline_unit_flops(config, seq_len)
-    assert len(costs) == len(units)
-    return units, costs
+def pipeline_units(config: GRTConfig, init_seed: int, seq_len: int) -> tuple[list[str], list, list[int]]:
+    """The units in order, by name (`pipeline_unit_names`, the one list of them), with the LayerSpec and
+    the forward FLOPs per token (for partitioning) of each."""
+    names = pipeline_unit_names(config.prelude_layers, config.core_layers, config.coda_layers, config.is_dense)
+
+    def spec(name: str):
+        if name in ("embedding", "head") and config.tie_embeddings:
+            extra = {"forward_fn": tied_head} if name == "head" else {}
+            return TiedLayerSpec("embed", PipelineUnit, config, init_seed, "embedding", tied_weight_attr=TIED_WEIGHT,
+                                 **extra)
+        if name.startswith("layer."):  # a dense model's core layers too: no recurrence keeps them together
+            return LayerSpec(PipelineUnit, config, init_seed, "layer", int(name.removeprefix("layer.")))
+        return LayerSpec(PipelineUnit, config, init_seed, "output_layer" if name == "head" else name)
+
+    return names, [spec(name) for name in names], pipeline_unit_flops(config, seq_len, names)
 
 
 def balanced_stage_starts(costs: Sequence[int], stages: int) -> list[int]:
@@ -166,11 +161,8 @@ class GRTPipelineModule(PipelineModule):
 
     def __init__(self, config: GRTConfig, init_seed: int, pp: int, dp_size: int, seq_len: int,
                  split_points: Optional[Sequence[str]] = None):
-        units, costs = pipeline_units(config, init_seed, seq_len)
+        self.unit_names, units, costs = pipeline_units(config, init_seed, seq_len)
         tp = config.tensor_model_parallel_size
-        self.unit_names = pipeline_unit_names(config.prelude_layers, config.core_layers, config.coda_layers,
-                                              config.is_dense)
-        assert len(self.unit_names) == len(units)
         if split_points is None:
             self.stage_starts = balanced_stage_starts(costs, pp)
         else:

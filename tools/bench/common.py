@@ -155,4 +155,3 @@ def prepared_prefix(data: str, tmp: str) -> str:
                     f"{tmp}/data", "--train-tokenizer", "--vocab-size", "2048"], cwd=REPO, check=True,
                    capture_output=True)
     return f"{tmp}/data"
-
