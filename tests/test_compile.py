@@ -93,6 +93,66 @@ def test_compiled_model_under_bf16_mixed_stays_within_bf16_of_fp32(world):
             assert (grads[name] - want).abs().max() <= 3e-2 * want.abs().max(), (mode, name)
 
 
+def _edges_into(loss: torch.Tensor, params) -> list[int]:
+    """For each of `params`, how many nodes of `loss`'s autograd graph hand it a gradient: under autocast,
+    how many casts of it the forward made (each cast's backward is one)."""
+    counts = {id(p): 0 for p in params}
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None and id(getattr(child, "variable", None)) in counts:
+                counts[id(child.variable)] += 1
+            stack.append(child)
+    return [counts[id(p)] for p in params]
+
+
+@pytest.mark.parametrize("checkpoint_recurrence", [False, True], ids=["plain", "recompute"])
+def test_compiled_bf16_mixed_casts_the_shared_weights_once_per_forward(world, checkpoint_recurrence):
+    """Compiled under bf16-mixed, the recurrence step's linears get their weights cast once per forward,
+    as eager autocast's cache does, not once per step inside the step's graph: one cast (one gradient
+    edge) per shared weight at R = 5 with 3 steps of backprop and with recompute, and without it
+    (`cast_weights_once=False`) one per step with gradient. Between forwards the weights change in place
+    (as an optimizer step changes them), and the next forward casts them anew: losses follow eager's."""
+    from grt_megatron.parallel.compile import StepWithWeightsCastOnce
+    from grt_megatron.parallel.mixed_precision import apply_mixed_precision
+
+    # An open gate (b_2 = 0, g = 1/2 at init), so that the core's weights weigh in the loss.
+    cfg = tiny_config(noise_sigma=0.0, depth_sampler="fixed", recurrences=5, gate_bias_init=0.0,
+                      checkpoint_recurrence=checkpoint_recurrence)
+    tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    edges, losses = {}, {}
+    for mode in ("eager", "in_graph", "once"):
+        model = GRTLanguageModel(cfg, init_seed=3).train()
+        apply_mixed_precision(model, "bf16-mixed", torch.device("cpu"))
+        if mode != "eager":
+            apply_compile(model, cast_weights_once=mode == "once")
+        assert isinstance(model.block.step_math, StepWithWeightsCastOnce) == (mode == "once")
+        shared = [p for n, p in model.named_parameters()
+                  if p.dim() == 2 and (".layers.1." in n or "injection" in n or "gate_fc" in n)]
+        assert len(shared) == 7
+        losses[mode] = []
+        for _ in range(2):
+            loss = model(tokens[:, :-1], tokens[:, 1:], 5, 3).mean()
+            edges[mode] = _edges_into(loss, shared)
+            loss.backward()
+            losses[mode].append(float(loss))
+            with torch.no_grad():
+                for p in shared:
+                    p.mul_(3.0)
+        del loss
+        if mode == "once":  # the casts went with their forward's graph
+            assert model.block.step_math._casts == []
+    assert edges == {"eager": [1] * 7, "in_graph": [3] * 7, "once": [1] * 7}
+    assert abs(losses["eager"][1] - losses["eager"][0]) > 1e-2  # the second forward saw the new weights
+    for mode in ("in_graph", "once"):
+        for got, want in zip(losses[mode], losses["eager"]):
+            assert got == pytest.approx(want, rel=1e-3), (mode, losses)
+
+
 def _tensor_parallel_worker(out: Path) -> None:
     """One of two ranks (torchrun this file): the tiny GRT at TP 2, with and without sequence parallelism
     (every TP and SP collective in the compiled layers and recurrence step), eager and compiled; writes

@@ -5,7 +5,8 @@ What is compiled, and why these regions:
   blend) as one graph per block. It takes its noise as inputs and never sees the step number, so every
   step of every R runs the same graph: a varying depth (the depth sampler, the depth sweep) never
   recompiles. The noise draws, the truncated-backprop `no_grad` steps, recurrence checkpointing and the
-  diagnostics' step hooks stay eager around it.
+  diagnostics' step hooks stay eager around it. Under `bf16-mixed` its linears' weights are cast once per
+  forward, outside the graph (`StepWithWeightsCastOnce`), as eager autocast casts them.
 - every other transformer layer (prelude, coda, a dense model's layers, MoR's core) on its own, with
   `Module.compile`, which keeps parameter names: checkpoints of compiled and eager runs are the same files.
 The embedding and the head stay eager. The loss keeps its chunked form (model/loss.py, never the whole
@@ -19,11 +20,14 @@ evaluation. `compiled_graphs` counts the graphs dynamo built; grt-train logs it,
 from __future__ import annotations
 
 import functools
+import weakref
+from typing import Callable, Optional
 
 import torch
 from megatron.core import parallel_state, utils as megatron_utils
 
 from grt_megatron.model.recurrent_block import GatedRecurrentBlock
+from grt_megatron.model.specs import ColumnLinear, RowLinear
 from grt_megatron.parallel.traceable_tp import register_traceable_tp
 
 @functools.cache  # once per process
@@ -49,9 +53,11 @@ def register_traceable_megatron() -> None:
         return inp
 
 
-def apply_compile(model: torch.nn.Module) -> int:
+def apply_compile(model: torch.nn.Module, cast_weights_once: bool = True) -> int:
     """Compile every `GatedRecurrentBlock`'s recurrence step and every layer outside it, in place, and
-    switch the loss to its compiled chunk kernels. Returns the number of regions compiled."""
+    switch the loss to its compiled chunk kernels. Returns the number of regions compiled.
+    `cast_weights_once=False` leaves autocast's casts of the step's weights inside its graph (what
+    `StepWithWeightsCastOnce` replaces; for tools/bench/compile.py to compare)."""
     register_traceable_megatron()
     register_traceable_tp()
     regions = 0
@@ -63,6 +69,8 @@ def apply_compile(model: torch.nn.Module) -> int:
         if block.routers is None and any(not isinstance(layer, torch.nn.Identity) for layer in block.core):
             # An instance attribute shadows the method: `recurrence_step` calls the compiled one.
             block.step_math = torch.compile(block.step_math, dynamic=False)
+            if cast_weights_once:
+                block.step_math = StepWithWeightsCastOnce(block, block.step_math)
             in_step = {id(layer) for layer in block.core}
             regions += 1
         for layer in block.layers:
@@ -70,6 +78,57 @@ def apply_compile(model: torch.nn.Module) -> int:
                 layer.compile(dynamic=False)
                 regions += 1
     return regions
+
+
+class StepWithWeightsCastOnce:
+    """The compiled recurrence step, its linears' weights cast to autocast's dtype once per forward.
+
+    Under `train.precision=bf16-mixed` a compiled step casts every weight it multiplies inside its graph,
+    so the shared core's weights were cast R times a forward, and their gradients cast back to fp32 and
+    added in fp32 R times a backward, where eager autocast casts each weight once per forward (its cast
+    cache, which lives outside any graph). Here the casts move out of the graph: at a forward's first step
+    each local linear's weight is cast once, and every step of that forward runs the compiled graph with
+    the cast in the weight's place, so autograd sums the R steps' bf16 gradients before one cast back, as
+    eager mode does (tests/test_compile.py counts the casts). A forward is known by its prelude output
+    `h_pre`, which every step of it gets (held weakly: the casts go when it does), by the grad mode (the
+    truncated-backprop steps run without gradient and must not lend their casts to the steps with) and by
+    the weights' versions (an optimizer step changes them in place). Without autocast, and under ZeRO 3
+    (whose weights are gathered only inside each linear's forward), the step runs as compiled."""
+
+    def __init__(self, block: GatedRecurrentBlock, compiled_step: Callable):
+        self.compiled_step = compiled_step
+        step_modules = [*block.core, block.injection, block.gate_fc1, block.gate_fc2]
+        self.linears = [m for part in step_modules if part is not None for m in part.modules()
+                        if isinstance(m, (ColumnLinear, RowLinear))]
+        self._forward: Optional[tuple] = None
+        self._casts: list[torch.Tensor] = []
+
+    def _weight_casts(self, h_pre: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+        weights = [linear.weight for linear in self.linears]
+        key = (torch.is_grad_enabled(), dtype, tuple(w._version for w in weights))
+        if self._forward is None or self._forward[0]() is not h_pre or self._forward[1] != key:
+            self._casts = [w.to(dtype) for w in weights]
+            self._forward = (weakref.ref(h_pre, self._release), key)
+        return self._casts
+
+    def _release(self, ref) -> None:
+        if self._forward is not None and self._forward[0] is ref:  # not a later forward's
+            self._forward, self._casts = None, []
+
+    def __call__(self, h, h_pre, *args):
+        device = h_pre.device.type
+        if (not torch.is_autocast_enabled(device) or not self.linears
+                or any(hasattr(linear.weight, "ds_id") for linear in self.linears)):
+            return self.compiled_step(h, h_pre, *args)
+        casts = self._weight_casts(h_pre, torch.get_autocast_dtype(device))
+        weights = [linear._parameters["weight"] for linear in self.linears]
+        for linear, cast in zip(self.linears, casts):
+            linear._parameters["weight"] = cast
+        try:
+            return self.compiled_step(h, h_pre, *args)
+        finally:
+            for linear, weight in zip(self.linears, weights):
+                linear._parameters["weight"] = weight
 
 
 def compiled_graphs() -> int:

@@ -25,10 +25,14 @@ per forward and their gradients once per backward, whatever R is (a test counts 
 gradients are summed in bf16 before that one cast, as DeepSpeed's bf16 sums them. That costs little: at
 R = 16 the core's gradients are 1.0e-2 (relative) from float64's, against 9.2e-3 with a cast per use
 (summed in fp32) and 1.1e-2 for the unshared prelude and coda (tests/test_mixed_precision.py). Compiled
-(`train.compile`), each recurrence step is its own graph call and casts the core's weights again, its
-backward returns their fp32 gradients, and autograd adds R of them in fp32: at the medium GRT (68 M
-shared parameters, R = 4) about 5.7 GB of casts and additions a micro-batch against 2.0 GB in eager mode,
-some 0.8 ms at an H200's 4.8 TB/s (an estimate from bytes moved, not timed). Whether bf16-mixed beats
+(`train.compile`), each recurrence step is its own graph call, and a graph casts the weights it multiplies
+inside itself, where autocast's cache cannot reach: the core's weights would be cast at every step, each
+step's graph would keep its own bf16 copy for backward, and autograd would add R fp32 gradients. So the
+compiled step gets its weights cast once per forward from outside its graph (`StepWithWeightsCastOnce`,
+parallel/compile.py), and compiled runs cast and sum as eager ones do. At the medium GRT (68 M shared
+parameters, R = 4) that is 2.0 GB of casts and additions a micro-batch instead of 5.7 GB, and one bf16
+copy of the core (136 MB) kept for backward instead of R (by arithmetic; on a CPU, at the small shape's
+R = 10, 11% fewer bytes saved for backward, measured by tools/bench/compile.py). Whether bf16-mixed beats
 bf16 on a GPU is the GPU check's question (README, "GPU check").
 """
 
