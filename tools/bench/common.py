@@ -80,16 +80,20 @@ def cpu_run_config(recipe: str, batch: int, width: int | None = None, seq: int =
     return run, run.model_config(CPU_VOCAB)
 
 
-def cpu_step_engine(recipe: str, batch: int, seed: int, width: int | None = None, seq: int = 128):
-    """(run config, model config, engine) of `cpu_run_config(recipe, batch, width, seq)`, weights from
-    `seed`."""
+def cpu_step_engine(recipe: str, batch: int, seed: int, width: int | None = None, seq: int = 128,
+                    precision: str = "fp32"):
+    """(run config, model config, engine) of `cpu_run_config(recipe, batch, width, seq, precision)`, weights
+    from `seed`; under `bf16-mixed` the model's forward runs under autocast, as `parallelize` applies it."""
     import torch
 
     from grt_megatron.model import GRTLanguageModel
+    from grt_megatron.parallel.mixed_precision import apply_mixed_precision
 
-    run, model_cfg = cpu_run_config(recipe, batch, width, seq)
+    run, model_cfg = cpu_run_config(recipe, batch, width, seq, precision)
     torch.manual_seed(seed)
-    return run, model_cfg, deepspeed_engine(GRTLanguageModel(model_cfg, init_seed=seed), run)
+    model = GRTLanguageModel(model_cfg, init_seed=seed)
+    apply_mixed_precision(model, precision, torch.device("cpu"))
+    return run, model_cfg, deepspeed_engine(model, run)
 
 
 def random_batch(batch: int, seq: int):

@@ -1,11 +1,14 @@
 """Eager vs compiled (`train.compile`) training steps on CPU: the same GRT, weights and batches, through
 the framework's DeepSpeed engine, one process.
 
-    python tools/bench/compile.py [--shapes tiny,small] [--steps 20]
+    python tools/bench/compile.py [--shapes tiny,small] [--steps 20] [--precision bf16-mixed]
 
-Shapes: tiny (1+1×4+1, d 128) and the small shape (1+1×10+1) at d 256, 4 heads, sequence 128, fp32, full R,
-noise on. The two engines' steps are interleaved so that machine noise hits both. The compiled model's
-first step includes compilation (reported as `first_step_s`); the median is over the steps after warm-up.
+Shapes: tiny (1+1×4+1, d 128) and the small shape (1+1×10+1) at d 256, 4 heads, sequence 128, full R,
+noise on; fp32, or `--precision bf16-mixed` (results in compile_bf16_mixed.json), which adds a third
+engine: compiled with autocast's casts of the recurrence step's weights left inside the step's graph (once
+per step) instead of hoisted out of it (once per forward, `StepWithWeightsCastOnce`). The engines' steps
+are interleaved so that machine noise hits all of them. A compiled model's first step includes
+compilation (reported as `first_step_s`); the median is over the steps after warm-up.
 Target: compiled no slower than eager. Prints a table and writes tools/bench/results/compile.json.
 """
 
@@ -20,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 
 from tools.bench import common  # noqa: E402
 
+import torch  # noqa: E402
+
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.parallel.compile import apply_compile, compiled_graphs  # noqa: E402
 
@@ -27,16 +32,22 @@ from grt_megatron.parallel.compile import apply_compile, compiled_graphs  # noqa
 def main() -> None:
     parser = common.argument_parser(__doc__)
     common.add_step_arguments(parser)
+    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"), default="fp32")
     args = common.parse_args(parser, "compile")
+    name = "compile" if args.precision == "fp32" else "compile_bf16_mixed"
+    if Path(args.output).name == "compile.json":  # the default: each precision has its own results file
+        args.output = str(Path(args.output).with_name(f"{name}.json"))
     init_distributed(seed=0)
+    modes = ("eager", "compiled") + (("compiled_casts_in_graph",) if args.precision == "bf16-mixed" else ())
     results = []
     for shape in args.shapes.split(","):
         recipe, width = common.CPU_SHAPES[shape]
         engines = {}
-        for mode in ("eager", "compiled"):
-            run, cfg, engine = common.cpu_step_engine(recipe, args.batch, seed=0, width=width)
-            if mode == "compiled":
-                apply_compile(engine.module)
+        for mode in modes:
+            run, cfg, engine = common.cpu_step_engine(recipe, args.batch, seed=0, width=width,
+                                                      precision=args.precision)
+            if mode != "eager":
+                apply_compile(engine.module, cast_weights_once=mode == "compiled")
             engines[mode] = engine
         seq = cfg.max_sequence_length
         x, y = common.random_batch(args.batch, seq)
@@ -52,22 +63,49 @@ def main() -> None:
                 losses[mode].append(loss.item())
                 times[mode].append(time.perf_counter() - start)
         medians = {mode: statistics.median(t[args.warmup:]) for mode, t in times.items()}
+        saved = {mode: saved_for_backward_bytes(engine, x, y, cfg.recurrences) for mode, engine in engines.items()}
         row = {"shape": shape, "model": cfg.shape_name, "hidden_size": cfg.hidden_size, "batch": args.batch,
                "seq_length": seq, "median_step_s": medians, "first_step_s": {m: t[0] for m, t in times.items()},
-               "compiled_graphs": compiled_graphs() - graphs_before,
+               "compiled_graphs": compiled_graphs() - graphs_before, "saved_for_backward_bytes": saved,
                "max_relative_loss_difference": max(abs(c - e) / abs(e) for e, c in zip(losses["eager"],
                                                                                           losses["compiled"])),
                "compiled_over_eager_step_time": medians["compiled"] / medians["eager"]}
+        if "compiled_casts_in_graph" in medians:
+            row["casts_once_over_in_graph_step_time"] = medians["compiled"] / medians["compiled_casts_in_graph"]
+            row["casts_once_over_in_graph_saved_bytes"] = saved["compiled"] / saved["compiled_casts_in_graph"]
+            row["max_relative_loss_difference_casts_in_graph"] = max(
+                abs(c - e) / abs(e) for e, c in zip(losses["eager"], losses["compiled_casts_in_graph"]))
         results.append(row)
-        print(f"\n{shape} ({cfg.shape_name}, d {cfg.hidden_size}): batch {args.batch} × {seq}, median of "
-              f"{args.steps} steps (CPU, fp32)")
+        print(f"\n{shape} ({cfg.shape_name}, d {cfg.hidden_size}, R {cfg.recurrences}): batch {args.batch} × "
+              f"{seq}, median of {args.steps} steps (CPU, {args.precision})")
         for mode, v in medians.items():
-            print(f"  {mode:<10}{1e3 * v:>9.1f} ms   (first step {row['first_step_s'][mode]:.1f} s)")
+            print(f"  {mode:<24}{1e3 * v:>9.1f} ms   (first step {row['first_step_s'][mode]:.1f} s)   "
+                  f"{saved[mode] / 2**20:7.1f} MiB saved for backward")
         print(f"  compiled / eager: {row['compiled_over_eager_step_time']:.3f} (target <= 1.00); "
               f"{row['compiled_graphs']} graphs; losses within {row['max_relative_loss_difference']:.1e}")
-    out = common.write_result(args.output, {**common.stamp("compile", with_torch=True), "target": 1.0,
-                                            "results": results})
+        if "casts_once_over_in_graph_step_time" in row:
+            print(f"  weights cast once / in the step's graph: {row['casts_once_over_in_graph_step_time']:.3f} "
+                  f"step time, {row['casts_once_over_in_graph_saved_bytes']:.3f} bytes saved for backward")
+    out = common.write_result(args.output, {**common.stamp(name, with_torch=True), "precision": args.precision,
+                                            "target": 1.0, "results": results})
     print(f"\nwrote {out}")
+
+
+def saved_for_backward_bytes(engine, x, y, recurrences: int) -> int:
+    """Bytes of the tensors one training forward saves for its backward (each storage once, the parameters
+    not counted): the activations, and under bf16-mixed the weights' bf16 casts that the matmuls keep.
+    Read through saved-tensor hooks, which compiled graphs' saves pass through too; no backward runs."""
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = engine(x, y, recurrences, recurrences, list(range(x.shape[0]))).mean()
+    del loss
+    parameters = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in parameters)
 
 
 if __name__ == "__main__":
