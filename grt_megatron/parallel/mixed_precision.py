@@ -11,10 +11,10 @@ The three precisions, and where each keeps what (bytes per parameter of model an
   and attention run in bf16 on casts of the weights, and norms and softmax-like reductions in fp32. The
   layers' residual stream is bf16, as in `bf16` and unlike a plain PyTorch model under autocast:
   megatron-core's bias-dropout-add casts the residual to the sublayer output's dtype (for pipeline sends
-  of one dtype), and without linear biases (every recipe) that output is bf16. There is no master copy and no copy of it back to bf16 at each step: the optimizer is
-  the bare (fused) AdamW, the trainer clips on the device (step_runner.py), and a step waits for the
-  device once (the norm for the skip decision, the loss read beside it, before the optimizer step is
-  queued). The casts move instead: each weight is cast to bf16 in every forward and its gradient back
+  of one dtype), and without linear biases (every recipe) that output is bf16. There is no master copy
+  and no copy of it back to bf16 at each step: the optimizer is the bare (fused) AdamW, the trainer
+  clips on the device (step_runner.py), and a step waits for the device once (the norm for the skip
+  decision, the loss read beside it, before the optimizer step is queued). The casts move instead: each weight is cast to bf16 in every forward and its gradient back
   to fp32 in every backward (the cast's backward), per micro-batch, as DeepSpeed's bf16 casts each
   micro-batch's gradients into its fp32 buffers.
 
@@ -29,7 +29,8 @@ R = 16 the core's gradients are 1.0e-2 (relative) from float64's, against 9.2e-3
 inside itself, where autocast's cache cannot reach: the core's weights would be cast at every step, each
 step's graph would keep its own bf16 copy for backward, and autograd would add R fp32 gradients. So the
 compiled step gets its weights cast once per forward from outside its graph (`StepWithWeightsCastOnce`,
-parallel/compile.py), and compiled runs cast and sum as eager ones do. At the medium GRT (68 M shared
+parallel/compile.py), and compiled runs cast and sum as eager ones do (MoR's core, compiled layer by
+layer, still casts at every recursion). At the medium GRT (68 M shared
 parameters, R = 4) that is 2.0 GB of casts and additions a micro-batch instead of 5.7 GB, and one bf16
 copy of the core (136 MB) kept for backward instead of R (by arithmetic; on a CPU, at the small shape's
 R = 10, 11% fewer bytes saved for backward, measured by tools/bench/compile.py). Whether bf16-mixed beats
