@@ -14,9 +14,9 @@ The three precisions, and where each keeps what (bytes per parameter of model an
   of one dtype), and without linear biases (every recipe) that output is bf16. There is no master copy
   and no copy of it back to bf16 at each step: the optimizer is the bare (fused) AdamW, the trainer
   clips on the device (step_runner.py), and a step waits for the device once (the norm for the skip
-  decision, the loss read beside it, before the optimizer step is queued). The casts move instead: each weight is cast to bf16 in every forward and its gradient back
-  to fp32 in every backward (the cast's backward), per micro-batch, as DeepSpeed's bf16 casts each
-  micro-batch's gradients into its fp32 buffers.
+  decision, the loss read beside it, before the optimizer step is queued). The casts move instead: each
+  weight is cast to bf16 in every forward and its gradient back to fp32 in every backward (the cast's
+  backward), per micro-batch, as DeepSpeed's bf16 casts each micro-batch's gradients into its fp32 buffers.
 
 The recurrence's state is fp32 in every precision (the gate's update is below bf16's resolution near
 g = 1: tests/test_numerics.py). In eager mode autocast caches its cast of each weight for one forward
