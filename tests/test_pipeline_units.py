@@ -5,7 +5,8 @@ import torch
 
 from conftest import tiny_config
 from grt_megatron.model import ConfigError, GRTLanguageModel
-from grt_megatron.parallel.pipeline import PipelineUnit, balanced_stage_starts, pipeline_units
+from grt_megatron.parallel.pipeline import PipelineUnit, pipeline_units
+from grt_megatron.parallel.pipeline_stages import balanced_stage_starts
 
 
 def test_balanced_stage_starts():

@@ -94,3 +94,35 @@ def test_data_this_machine_lacks_is_warned_about_not_refused(capsys, tmp_path):
     assert code == 0 and err.strip().splitlines() == [
         f"grt-submit: warning: data.source: input '{tmp_path}/books.txt': no such file {tail}",
         f"grt-submit: warning: data.tokenizer {tmp_path}/tok.model: no such file {tail}"]
+
+
+def test_pipeline_stages_are_printed_before_queueing(capsys, tmp_path, pydoc_prefix):
+    """With PP, grt-submit prints the stages grt-train will print at its start (tests/test_parallel_layouts.py
+    runs the first layout and reads the same stages), when the vocabulary is known: the head costs 2·d·V."""
+    prefix = pydoc_prefix[0]
+    pp3 = ["parallel.pp=3", "parallel.pp_split_points=[layer.0,core]", "deepspeed.zero_stage=1"]
+    code, script, err = _submit(capsys, tmp_path, "--procs-per-node", "3", "--", "model=tiny", f"data={prefix}",
+                                *pp3)
+    assert code == 0 and "#SBATCH" in script
+    assert err.strip().splitlines() == [
+        f"grt-submit: pipeline stages (vocabulary 2048, from {prefix}.tokenizer.model): embedding (0%) | layer.0 "
+        "(12%) | core layer.2 final_norm head (88%)"]
+    pp2 = ["parallel.pp=2", "deepspeed.zero_stage=1"]
+    code, _, err = _submit(capsys, tmp_path, "--procs-per-node", "2", "--", "model=tiny", f"data={prefix}", *pp2,
+                           "model.vocab_size=4096")  # a larger head moves the cut: the model's vocabulary counts
+    assert code == 0 and err.strip().splitlines() == [
+        "grt-submit: pipeline stages (vocabulary 4096, from model.vocab_size): embedding layer.0 core (66%) | "
+        "layer.2 final_norm head (34%)"]
+    # A tokenizer the job will train: unknown here. A model vocabulary below the prefix tokenizer's: refused.
+    code, _, err = _submit(capsys, tmp_path, "--procs-per-node", "2", "--", "model=tiny", "data=builtin:pydoc_topics",
+                           *pp2)
+    assert code == 0 and err.strip().splitlines() == [
+        "grt-submit: pipeline stages: decided at the job's start, when its tokenizer is known (the head's cost is "
+        "2·d·V)"]
+    code, out, err = _submit(capsys, tmp_path, "--procs-per-node", "2", "--", "model=tiny", f"data={prefix}", *pp2,
+                             "model.vocab_size=1000")
+    assert code == 2 and out == "" and err.strip().splitlines() == [
+        "grt-submit: error: grt-train would refuse this run: model.vocab_size=1000 is smaller than the tokenizer's "
+        "vocabulary (2048)"]
+    code, _, err = _submit(capsys, tmp_path, "--", "model=tiny", f"data={prefix}")
+    assert code == 0 and err == ""  # no PP, no stages

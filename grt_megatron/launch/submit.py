@@ -5,7 +5,8 @@
         model=tiny data=runs/demo/data/corpus train.iters=300 checkpoint.interval=50
 
 Everything after `--` goes to grt-train; the run is checked as grt-train would check it at the job's world size
-(nodes × processes per node) before anything is written or submitted. Every job resumes with `resume=auto`, saves and requeues itself on
+(nodes × processes per node) before anything is written or submitted, and a pipeline-parallel run's stages
+are printed when its vocabulary is known here. Every job resumes with `resume=auto`, saves and requeues itself on
 USR1 (sent `--signal-seconds` before the time limit), and `--chain N` submits N jobs that run one after the
 other (`--dependency=singleton`) for runs longer than the time limit.
 """
@@ -18,6 +19,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -136,6 +138,42 @@ def data_paths_not_here(cfg) -> list[str]:
     return missing
 
 
+def pipeline_stages_line(cfg, run_dir: Path) -> Optional[str]:
+    """With pipeline parallelism, the stages the job will run (the same plan grt-train prints at its start),
+    when the vocabulary is known here: the head's cost is 2·d·V. None without PP."""
+    if cfg.parallel.pp == 1:
+        return None
+    from grt_megatron.data import DataError
+    from grt_megatron.data.prepare import tokenizer_of_prefix
+    from grt_megatron.model.config import ConfigError
+    from grt_megatron.data.tokenizer import load_tokenizer
+    from grt_megatron.parallel.pipeline_stages import plan_pipeline_stages
+
+    d, tokenizer, where = cfg.data, None, None
+    try:
+        if d.tokenizer and Path(d.tokenizer).expanduser().exists():
+            tokenizer, where = load_tokenizer(d.tokenizer), f"data.tokenizer {d.tokenizer}"
+        elif not d.tokenizer:
+            prefix = str(run_dir / "data" / "corpus") if d.source else (d.prefixes or [None])[0]
+            tokenizer = tokenizer_of_prefix(prefix) if prefix else None
+            where = f"{prefix}.tokenizer.model"
+    except DataError:
+        tokenizer = None  # the job reports it at its start (and the warnings above name missing files)
+    vocab = cfg.model.get("vocab_size") or (tokenizer.vocab_size if tokenizer else None)
+    if vocab is None:
+        return ("pipeline stages: decided at the job's start, when its tokenizer is known (the head's cost is "
+                "2·d·V)")
+    source = "model.vocab_size" if cfg.model.get("vocab_size") else where
+    try:
+        if tokenizer is not None:
+            cfg.model_config(tokenizer.vocab_size)  # refuses a model.vocab_size below the tokenizer's
+        stages = plan_pipeline_stages(cfg.model_config(vocab), cfg.seq_length, cfg.parallel.pp,
+                                      cfg.parallel.pp_split_points)
+    except ConfigError as err:
+        raise SubmitError(f"grt-train would refuse this run: {err}") from None
+    return f"pipeline stages (vocabulary {vocab}, from {source}): {stages.describe()}"
+
+
 def cpus(settings: dict) -> tuple[int, int]:
     """(--cpus-per-task, OMP_NUM_THREADS): cores per training process times the processes of a task
     (torchrun: one task per node runs them all; srun: one task per process)."""
@@ -224,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         for problem in data_paths_not_here(cfg):
             print(f"grt-submit: warning: {problem} on this machine; the job will fail at its start unless the "
                   "compute nodes have it", file=sys.stderr)
+        stages = pipeline_stages_line(cfg, run_dir)
+        if stages:
+            print(f"grt-submit: {stages}", file=sys.stderr)
         script = render(run_dir, settings)
         if args.dry_run:
             print(script)

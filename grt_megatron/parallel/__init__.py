@@ -3,7 +3,8 @@
 - `layout.py`: `validate_layout`, the one check of a layout (and the rules it is made of), pure.
 - `parallelize.py`: `parallelize`, the one door: builds the model or its pipeline stage for a layout,
   adds the sequence-parallel gradient hooks and wraps it in the DeepSpeed engine (DP/ZeRO).
-- `pipeline.py`: pipeline units cut from `GRTLanguageModel`, and their partition into stages.
+- `pipeline.py`: pipeline units cut from `GRTLanguageModel`, built into DeepSpeed's pipeline module.
+- `pipeline_stages.py`: which units each stage takes (balanced by FLOPs, or at given split points), pure.
 - `deepspeed_engine.py`: the DeepSpeed configuration (ZeRO, precision, clipping, optimizer, schedule).
 - `sequence_parallel.py`: the gradient reduction SP needs under DeepSpeed.
 - `compile.py`: `train.compile`, torch.compile applied per layer and to the recurrence step.

@@ -28,7 +28,8 @@ from grt_megatron.model.config import GRTConfig
 from grt_megatron.model.language_model import GRTLanguageModel, attention_mask_of, vocab_parallel_loss
 from grt_megatron.model.layers import StepInputs, run_layers
 from grt_megatron.model.flops import pipeline_unit_flops
-from grt_megatron.parallel.layout import check_pipeline_stages, pipeline_unit_names, stage_starts_from_split_points
+from grt_megatron.parallel.layout import pipeline_unit_names
+from grt_megatron.parallel.pipeline_stages import plan_pipeline_stages
 
 TIED_WEIGHT = "embedding.word_embeddings.weight"
 
@@ -123,51 +124,15 @@ def pipeline_units(config: GRTConfig, init_seed: int, seq_len: int) -> tuple[lis
     return names, [spec(name) for name in names], pipeline_unit_flops(config, seq_len, names)
 
 
-def balanced_stage_starts(costs: Sequence[int], stages: int) -> list[int]:
-    """Contiguous, non-empty stages: first the costliest stage as cheap as it can be (the pipeline's
-    pace), then, among those splits, the smallest sum of squared stage costs, so the cheap units spread out
-    instead of a stage holding the embedding alone (ties: the same split every time). Exact, in integers."""
-    n = len(costs)
-    check_pipeline_stages(stages, n)
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def split(value_of):
-        """Dynamic programme over (stages so far, units so far); `value_of(previous, stage cost)`."""
-        best = [[None] * (n + 1) for _ in range(stages + 1)]
-        cut = [[0] * (n + 1) for _ in range(stages + 1)]
-        best[0][0] = 0
-        for j in range(1, stages + 1):
-            for i in range(j, n - (stages - j) + 1):
-                for start in range(j - 1, i):
-                    if best[j - 1][start] is None:
-                        continue
-                    value = value_of(best[j - 1][start], prefix[i] - prefix[start])
-                    if value is not None and (best[j][i] is None or value < best[j][i]):
-                        best[j][i], cut[j][i] = value, start
-        starts, i = [], n
-        for j in range(stages, 0, -1):
-            i = cut[j][i]
-            starts.append(i)
-        return best[stages][n], starts[::-1]
-
-    pace, _ = split(max)
-    return split(lambda total, stage: None if stage > pace else total + stage * stage)[1]
-
-
 class GRTPipelineModule(PipelineModule):
-    """DeepSpeed's PipelineModule with our partition (`balanced_stage_starts`) instead of its methods."""
+    """DeepSpeed's PipelineModule with our partition (`plan_pipeline_stages`) instead of its methods."""
 
     def __init__(self, config: GRTConfig, init_seed: int, pp: int, dp_size: int, seq_len: int,
                  split_points: Optional[Sequence[str]] = None):
-        self.unit_names, units, costs = pipeline_units(config, init_seed, seq_len)
+        self.stages = plan_pipeline_stages(config, seq_len, pp, split_points)
+        self.unit_names, units, _ = pipeline_units(config, init_seed, seq_len)
+        self.stage_starts = self.stages.starts
         tp = config.tensor_model_parallel_size
-        if split_points is None:
-            self.stage_starts = balanced_stage_starts(costs, pp)
-        else:
-            self.stage_starts = stage_starts_from_split_points(self.unit_names, split_points, pp)
-        self.unit_costs = costs
         super().__init__(
             layers=units,
             loss_fn=lambda logits, labels: vocab_parallel_loss(logits, labels, self.fused_loss).mean(),
@@ -182,15 +147,10 @@ class GRTPipelineModule(PipelineModule):
     def split_points(self) -> list[str]:
         """The units stages 2..pp begin at, as `parallel.pp_split_points` names them (saved with a checkpoint:
         a resume that cuts the stages elsewhere gives layers other ranks' RNG streams, so it reseeds)."""
-        return [self.unit_names[i] for i in self.stage_starts[1:]]
+        return self.stages.split_points
 
     def describe_stages(self) -> str:
-        """The stages' units and each one's share of the forward FLOPs, as grt-train prints them."""
-        bounds = [*self.stage_starts, len(self.unit_names)]
-        total = sum(self.unit_costs) or 1
-        return " | ".join(
-            f"{' '.join(self.unit_names[a:b])} ({100 * sum(self.unit_costs[a:b]) / total:.0f}%)"
-            for a, b in zip(bounds, bounds[1:]))
+        return self.stages.describe()
 
     def _partition_layers(self, method="uniform"):
         self.parts = [*self.stage_starts, len(self._layer_specs)]

@@ -165,7 +165,7 @@ class ParallelConfig:
     pp_split_points: Optional[list[str]] = None
     """The pipeline units where stages 2..pp begin, e.g. [core, layer.3] (as torchtitan's
     `pipeline_parallel_split_points`); units: embedding, layer.<i>, core, final_norm, head. None: stages
-    balanced by forward FLOPs (`parallel.pipeline.balanced_stage_starts`). grt-train prints the stages."""
+    balanced by forward FLOPs (`parallel.pipeline_stages.balanced_stage_starts`). grt-train prints the stages."""
     timeout_minutes: int = 30
     """How long a collective may wait (NCCL's own default is 10 min): the other ranks wait in one while
     rank 0 alone prepares a corpus (`data.source`) or verifies a checkpoint's hashes on resume."""

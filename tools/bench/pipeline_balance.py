@@ -33,7 +33,7 @@ def layer_count_split_points(model: str, vocab: int, pp: int) -> list[str]:
     """The split points the old rule chose: stages balanced by layer executions, embedding/norm/head 0."""
     from grt_megatron.model import GRTConfig
     from grt_megatron.parallel.layout import pipeline_unit_names
-    from grt_megatron.parallel.pipeline import balanced_stage_starts
+    from grt_megatron.parallel.pipeline_stages import balanced_stage_starts
     from grt_megatron.training.cli import compose_run_config
 
     run = compose_run_config([f"model={model}", f"model.vocab_size={vocab}"], world_size=1)
