@@ -20,6 +20,7 @@ TRAINING_ONLY = {
     "mor_eval_routing": "MoR only",
     "exit_entropy_coeff": "Ouro training loss",
     "checkpoint_recurrence": "activation recomputation during training",
+    "fp32_residual_connection": "a training precision (bf16-mixed); a transformers model runs in its load dtype",
     "make_vocab_size_divisible_by": "the export cuts the padded vocabulary to vocab_size",
     **dict.fromkeys(("layer_spec", "bias_dropout_fusion", "bias_activation_fusion", "masked_softmax_fusion",
                      "gradient_accumulation_fusion", "apply_rope_fusion", "persist_layer_norm"),

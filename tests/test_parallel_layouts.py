@@ -36,9 +36,10 @@ DOCUMENTS = "data.reset_attention_mask=true"
 REFERENCES = {name: [name] for name in ("tiny", "tiny_dense", "tiny_ouro", "tiny_rrt")}
 REFERENCES["tiny+documents"] = ["tiny", DOCUMENTS]
 REFERENCES["tiny+bf16-mixed"] = ["tiny", "train.precision=bf16-mixed"]
+REFERENCES["tiny+fp32-residual"] = ["tiny", "train.precision=bf16-mixed", "model.fp32_residual_connection=true"]
 # bf16 matmuls round where each layout's partial products meet (a TP all-reduce sums bf16 halves): the
 # same math within bf16's rounding, measured at ≤ 7e-5 (grad norm) and ≤ 1.1e-5 (loss) on these runs.
-TOLERANCE = {"tiny+bf16-mixed": 3e-4}
+TOLERANCE = {"tiny+bf16-mixed": 3e-4, "tiny+fp32-residual": 3e-4}
 
 
 PORT = iter(range(29610, 29700))
@@ -46,8 +47,9 @@ PORT = iter(range(29610, 29700))
 # Each launch costs ~10 s of start-up (torch, megatron-core and DeepSpeed imported per rank) on CI's two cores,
 # so a layout is here for what no other one covers, and most cover several things at once:
 #   TP 2: alone (also bf16-mixed), with SP (documents; bf16-mixed), × DP 2 with ZeRO 2 and SP, × PP 2;
-#   PP 2: × DP 2, × TP 2, × TP 2 with SP (documents), the dense model's stage split; PP 3 (bf16-mixed: a
-#   pipeline under autocast, split points putting the embedding alone on a stage);
+#   PP 2: × DP 2, × TP 2, × TP 2 with SP (documents; an fp32 residual stream under bf16-mixed), the dense
+#   model's stage split; PP 3 (bf16-mixed: a pipeline under autocast, split points putting the embedding
+#   alone on a stage);
 #   ZeRO over DP 2: 1 (× PP 2), 2 (recompute; × TP 2; Ouro), 3 (recompute; RRT; bf16-mixed).
 # (One-process ZeRO stages, and DP 2 without ZeRO: test_train_cli.)
 LAYOUTS = [
@@ -80,6 +82,9 @@ LAYOUTS = [
     # the stages (every rank waited forever in the first step); and the middle stage takes fp32 in and
     # gives bf16 out, whose gradient DeepSpeed received into its fp32 input buffer (grad norm 50.3 for 1.57).
     ("tiny+bf16-mixed", 3, ["parallel.pp=3", "parallel.pp_split_points=[layer.0,core]", "deepspeed.zero_stage=1"]),
+    # An fp32 residual stream under autocast: fp32 into megatron's SP gathers and out of its reduce-scatters
+    # (bf16 products added into it), and fp32 sent between stages.
+    ("tiny+fp32-residual", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "deepspeed.zero_stage=1"]),
 ]
 STAGES = {"parallel.pp_split_points=[layer.0,core]": "embedding (0%) | layer.0 (12%) | core layer.2 final_norm head"}
 

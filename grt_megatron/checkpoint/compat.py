@@ -20,9 +20,11 @@ REFUSED = {
     "data.split": "the data order", "data.tokenizer": "the tokenizer",
 }
 IGNORED = ("resume", "run.dir")
-# Model fields that change memory, speed or evaluation, not the training math (the kernel choices compute the
-# same function within rounding, with the same parameter names: model/kernels.py).
-MODEL_ALLOWED = ("checkpoint_recurrence", "mor_eval_routing", "exit_threshold", *KERNEL_FIELDS)
+# Model fields that change memory, speed, precision or evaluation, not the training math (the kernel choices
+# compute the same function within rounding, with the same parameter names: model/kernels.py; an fp32 residual
+# stream rounds less, as a change of train.precision does).
+MODEL_ALLOWED = ("checkpoint_recurrence", "mor_eval_routing", "exit_threshold", "fp32_residual_connection",
+                 *KERNEL_FIELDS)
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -59,7 +61,7 @@ def compare_configs(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[st
 
 # Model fields added after checkpoints were first written: a checkpoint without them ran with what is
 # now their default (the default is the old behaviour), read from GRTConfig so the two cannot drift.
-MODEL_FIELDS_ADDED_LATER = ("routing", "router_aux_loss_coeff")
+MODEL_FIELDS_ADDED_LATER = ("routing", "router_aux_loss_coeff", "fp32_residual_connection")
 MODEL_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRTConfig) if f.name in MODEL_FIELDS_ADDED_LATER}
 MODEL_FIELD_DEFAULTS.update(dict.fromkeys(KERNEL_FIELDS, "auto"))  # absent before; may change anyway
 

@@ -254,6 +254,10 @@ class GRTConfig(TransformerConfig):
             raise ConfigError(f"model.activation={activation!r} is not one of {', '.join(ACTIVATIONS)}")
         if precision not in ("fp32", "bf16", "bf16-mixed"):
             raise ConfigError(f"train.precision={precision!r} is not one of fp32, bf16, bf16-mixed")
+        if recipe.get("fp32_residual_connection") and precision == "bf16":
+            # The norms' bf16 weights cannot normalise an fp32 stream (torch refuses the mixed LayerNorm).
+            raise ConfigError("model.fp32_residual_connection=true needs train.precision=bf16-mixed (under bf16 "
+                              "the weights are bf16, and the norms cannot take an fp32 stream)")
         kernel_recipe = {name: recipe.pop(name, "auto") for name in KERNEL_FIELDS}
         kwargs = dict(_PORTABLE_DEFAULTS)
         kwargs.update(recipe)
@@ -285,7 +289,8 @@ class GRTConfig(TransformerConfig):
 # Everything else in TransformerConfig keeps megatron-core's default.
 MEGATRON_RECIPE_FIELDS = (
     "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization", "activation", "add_bias_linear",
-    "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon", *FUSION_FIELDS,
+    "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon", "fp32_residual_connection",
+    *FUSION_FIELDS,
 )
 _MEGATRON_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
 RECIPE_FIELDS = MEGATRON_RECIPE_FIELDS + tuple(

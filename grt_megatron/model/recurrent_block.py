@@ -177,7 +177,7 @@ class GatedRecurrentBlock(MegatronModule):
         dtype = h_pre.dtype
         h_in = (h if eps_x is None else h + eps_x).to(dtype)
         if cfg.injection == "concat_project":
-            x = self._inject(h_in, h_pre)
+            x = self._inject(h_in, h_pre).to(dtype)  # autocast's bf16 product; an fp32 stream stays fp32
         elif add_prelude:
             x = h_in + h_pre
         else:

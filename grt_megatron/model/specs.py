@@ -145,10 +145,27 @@ def get_norm_spec() -> type:
     return TorchNorm
 
 
+def get_bias_dropout_add_in_residual_dtype(training: bool, fused: bool):
+    """megatron-core's bias-dropout-add, `residual + dropout(x + bias)`, in the residual's dtype
+    (`model.fp32_residual_connection`): megatron's casts the residual to the sublayer output's dtype (for
+    pipeline sends of one dtype), so under autocast an fp32 stream became bf16 at the first layer, its
+    flag notwithstanding. Unfused (`fused` is ignored): `train.compile` fuses it with its neighbours."""
+
+    def bias_dropout_add(x_with_bias, residual, prob):
+        x, bias = x_with_bias
+        x = x if bias is None else x + bias
+        return residual + F.dropout(x, p=prob, training=training).to(residual.dtype)
+
+    return bias_dropout_add
+
+
 def get_layer_spec(config: GRTConfig) -> ModuleSpec:
     """megatron-core's local GPT layer with our norms (the local spec's torch norm refuses SP), or the same
-    layer built from Transformer Engine's modules."""
+    layer built from Transformer Engine's modules; with `fp32_residual_connection`, a bias-dropout-add that
+    keeps the stream fp32."""
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    if config.fp32_residual_connection:
+        spec.submodules.self_attn_bda = spec.submodules.mlp_bda = get_bias_dropout_add_in_residual_dtype
     attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     if config.layer_spec == "transformer_engine":
         from megatron.core.extensions.transformer_engine import (TEColumnParallelLinear, TEDotProductAttention,

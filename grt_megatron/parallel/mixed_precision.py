@@ -11,7 +11,8 @@ The three precisions, and where each keeps what (bytes per parameter of model an
   and attention run in bf16 on casts of the weights, and norms and softmax-like reductions in fp32. The
   layers' residual stream is bf16, as in `bf16` and unlike a plain PyTorch model under autocast:
   megatron-core's bias-dropout-add casts the residual to the sublayer output's dtype (for pipeline sends
-  of one dtype), and without linear biases (every recipe) that output is bf16. There is no master copy
+  of one dtype), and without linear biases (every recipe) that output is bf16
+  (`model.fp32_residual_connection=true` keeps the stream fp32: model/specs.py). There is no master copy
   and no copy of it back to bf16 at each step: the optimizer is the bare (fused) AdamW, the trainer
   clips on the device (step_runner.py), and a step waits for the device once (the norm for the skip
   decision, the loss read beside it, before the optimizer step is queued). The casts move instead: each
