@@ -70,13 +70,14 @@ def deepspeed_engine(model, run):
     return build_engine(model, run, dp_size=1)
 
 
-def cpu_run_config(recipe: str, batch: int, width: int | None = None, seq: int = 128, precision: str = "fp32"):
-    """(run config, model config) of recipe `recipe` in `precision` at the CPU benchmarks' vocabulary;
-    `width` scales the hidden size down (4 heads, `seq` tokens) so that the larger shapes run on a CPU in
-    minutes."""
+def cpu_run_config(recipe: str, batch: int, width: int | None = None, seq: int = 128, precision: str = "fp32",
+                   overrides: tuple[str, ...] = ()):
+    """(run config, model config) of recipe `recipe` in `precision` (plus grt-train `overrides`) at the CPU
+    benchmarks' vocabulary; `width` scales the hidden size down (4 heads, `seq` tokens) so that the larger
+    shapes run on a CPU in minutes."""
     scaled = [] if width is None else [f"model.hidden_size={width}", "model.num_attention_heads=4",
                                        f"model.max_sequence_length={seq}"]
-    run = run_config(recipe, batch, precision, *scaled)
+    run = run_config(recipe, batch, precision, *scaled, *overrides)
     return run, run.model_config(CPU_VOCAB)
 
 
@@ -102,6 +103,25 @@ def random_batch(batch: int, seq: int):
 
     tokens = torch.randint(0, CPU_VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def saved_for_backward_bytes(engine, x, y, recurrences: int) -> int:
+    """Bytes of the tensors one training forward of `engine` saves for its backward (each storage once, the
+    parameters not counted): the activations, and under bf16-mixed the weights' bf16 casts the matmuls
+    keep. Read through saved-tensor hooks, which compiled graphs' saves pass through too; no backward runs."""
+    import torch
+
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = engine(x, y, recurrences, recurrences, list(range(x.shape[0]))).mean()
+    del loss
+    parameters = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in parameters)
 
 
 def stamp(benchmark: str, with_torch: bool = False) -> dict:

@@ -23,8 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 
 from tools.bench import common  # noqa: E402
 
-import torch  # noqa: E402
-
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.parallel.compile import apply_compile, compiled_graphs  # noqa: E402
 
@@ -63,7 +61,8 @@ def main() -> None:
                 losses[mode].append(loss.item())
                 times[mode].append(time.perf_counter() - start)
         medians = {mode: statistics.median(t[args.warmup:]) for mode, t in times.items()}
-        saved = {mode: saved_for_backward_bytes(engine, x, y, cfg.recurrences) for mode, engine in engines.items()}
+        saved = {mode: common.saved_for_backward_bytes(engine, x, y, cfg.recurrences)
+                 for mode, engine in engines.items()}
         row = {"shape": shape, "model": cfg.shape_name, "hidden_size": cfg.hidden_size, "batch": args.batch,
                "seq_length": seq, "median_step_s": medians, "first_step_s": {m: t[0] for m, t in times.items()},
                "compiled_graphs": compiled_graphs() - graphs_before, "saved_for_backward_bytes": saved,
@@ -89,23 +88,6 @@ def main() -> None:
     out = common.write_result(args.output, {**common.stamp(name, with_torch=True), "precision": args.precision,
                                             "target": 1.0, "results": results})
     print(f"\nwrote {out}")
-
-
-def saved_for_backward_bytes(engine, x, y, recurrences: int) -> int:
-    """Bytes of the tensors one training forward saves for its backward (each storage once, the parameters
-    not counted): the activations, and under bf16-mixed the weights' bf16 casts that the matmuls keep.
-    Read through saved-tensor hooks, which compiled graphs' saves pass through too; no backward runs."""
-    storages = {}
-
-    def pack(tensor):
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = engine(x, y, recurrences, recurrences, list(range(x.shape[0]))).mean()
-    del loss
-    parameters = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in parameters)
 
 
 if __name__ == "__main__":
