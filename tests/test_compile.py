@@ -110,19 +110,29 @@ def _edges_into(loss: torch.Tensor, params) -> list[int]:
     return [counts[id(p)] for p in params]
 
 
-@pytest.mark.parametrize("checkpoint_recurrence", [False, True], ids=["plain", "recompute"])
-def test_compiled_bf16_mixed_casts_the_shared_weights_once_per_forward(world, checkpoint_recurrence):
-    """Compiled under bf16-mixed, the recurrence step's linears get their weights cast once per forward,
-    as eager autocast's cache does, not once per step inside the step's graph: one cast (one gradient
-    edge) per shared weight at R = 5 with 3 steps of backprop and with recompute, and without it
-    (`cast_weights_once=False`) one per step with gradient. Between forwards the weights change in place
-    (as an optimizer step changes them), and the next forward casts them anew: losses follow eager's."""
-    from grt_megatron.parallel.compile import StepWithWeightsCastOnce
+CAST_ONCE_CASES = {
+    # R = 5 with backprop through the last 3 steps; with recurrence checkpointing (recompute in backward).
+    "grt": (dict(recurrences=5), 3),
+    "grt-recompute": (dict(recurrences=5, checkpoint_recurrence=True), 3),
+    # MoR: its core's layers compiled one by one, run at every recursion (R = 3).
+    "mor": (dict(routing="expert_choice", gate="none", injection="none"), 3),
+}
+
+
+@pytest.mark.parametrize("case", list(CAST_ONCE_CASES))
+def test_compiled_bf16_mixed_casts_the_shared_weights_once_per_forward(world, case):
+    """Compiled under bf16-mixed, the shared core's linears get their weights cast once per forward, as eager
+    autocast's cache does, not once per step inside the compiled graphs: one cast (one gradient edge) per
+    shared weight, and with `cast_weights_once=False` one per step with gradient. Between forwards the
+    weights change in place (as an optimizer step changes them), and the next forward casts them anew:
+    losses follow eager's."""
+    from grt_megatron.parallel.compile import MoRCoreWithWeightsCastOnce, StepWithWeightsCastOnce
     from grt_megatron.parallel.mixed_precision import apply_mixed_precision
 
+    overrides, steps_with_grad = CAST_ONCE_CASES[case]
     # An open gate (b_2 = 0, g = 1/2 at init), so that the core's weights weigh in the loss.
-    cfg = tiny_config(noise_sigma=0.0, depth_sampler="fixed", recurrences=5, gate_bias_init=0.0,
-                      checkpoint_recurrence=checkpoint_recurrence)
+    cfg = tiny_config(noise_sigma=0.0, depth_sampler="fixed", gate_bias_init=0.0, **overrides)
+    r = cfg.recurrences
     tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
     edges, losses = {}, {}
     for mode in ("eager", "in_graph", "once"):
@@ -130,23 +140,25 @@ def test_compiled_bf16_mixed_casts_the_shared_weights_once_per_forward(world, ch
         apply_mixed_precision(model, "bf16-mixed", torch.device("cpu"))
         if mode != "eager":
             apply_compile(model, cast_weights_once=mode == "once")
-        assert isinstance(model.block.step_math, StepWithWeightsCastOnce) == (mode == "once")
+        wrapper = model.block.run_core if case == "mor" else model.block.step_math
+        assert isinstance(wrapper, (StepWithWeightsCastOnce, MoRCoreWithWeightsCastOnce)) == (mode == "once")
         shared = [p for n, p in model.named_parameters()
                   if p.dim() == 2 and (".layers.1." in n or "injection" in n or "gate_fc" in n)]
-        assert len(shared) == 7
+        assert len(shared) == (4 if case == "mor" else 7)
         losses[mode] = []
         for _ in range(2):
-            loss = model(tokens[:, :-1], tokens[:, 1:], 5, 3).mean()
+            loss = model(tokens[:, :-1], tokens[:, 1:], r, steps_with_grad).mean()
             edges[mode] = _edges_into(loss, shared)
             loss.backward()
             losses[mode].append(float(loss))
             with torch.no_grad():
-                for p in shared:
-                    p.mul_(3.0)
+                for i, p in enumerate(shared):
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)), alpha=0.1)
         del loss
-        if mode == "once":  # the casts went with their forward's graph
-            assert model.block.step_math._casts == []
-    assert edges == {"eager": [1] * 7, "in_graph": [3] * 7, "once": [1] * 7}
+        if mode == "once" and case != "mor":  # the casts went with their forward's graph
+            assert wrapper._casts == []
+    n = len(shared)
+    assert edges == {"eager": [1] * n, "in_graph": [steps_with_grad] * n, "once": [1] * n}
     assert abs(losses["eager"][1] - losses["eager"][0]) > 1e-2  # the second forward saw the new weights
     for mode in ("in_graph", "once"):
         for got, want in zip(losses[mode], losses["eager"]):

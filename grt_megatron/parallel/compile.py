@@ -6,7 +6,8 @@ What is compiled, and why these regions:
   step of every R runs the same graph: a varying depth (the depth sampler, the depth sweep) never
   recompiles. The noise draws, the truncated-backprop `no_grad` steps, recurrence checkpointing and the
   diagnostics' step hooks stay eager around it. Under `bf16-mixed` its linears' weights are cast once per
-  forward, outside the graph (`StepWithWeightsCastOnce`), as eager autocast casts them.
+  forward, outside the graph (`StepWithWeightsCastOnce`; MoR's core: `MoRCoreWithWeightsCastOnce`), as eager
+  autocast casts them.
 - every other transformer layer (prelude, coda, a dense model's layers, MoR's core) on its own, with
   `Module.compile`, which keeps parameter names: checkpoints of compiled and eager runs are the same files.
 The embedding and the head stay eager. The loss keeps its chunked form (model/loss.py, never the whole
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
@@ -57,7 +59,8 @@ def apply_compile(model: torch.nn.Module, cast_weights_once: bool = True) -> int
     """Compile every `GatedRecurrentBlock`'s recurrence step and every layer outside it, in place, and
     switch the loss to its compiled chunk kernels. Returns the number of regions compiled.
     `cast_weights_once=False` leaves autocast's casts of the step's weights inside its graph (what
-    `StepWithWeightsCastOnce` replaces; for tools/bench/compile.py to compare)."""
+    `StepWithWeightsCastOnce` and `MoRCoreWithWeightsCastOnce` replace; for tools/bench/compile.py to
+    compare)."""
     register_traceable_megatron()
     register_traceable_tp()
     regions = 0
@@ -66,6 +69,8 @@ def apply_compile(model: torch.nn.Module, cast_weights_once: bool = True) -> int
             module.fused_loss = True
     for block in [m for m in model.modules() if isinstance(m, GatedRecurrentBlock)]:
         in_step = set()
+        if block.routers is not None and cast_weights_once:
+            block.run_core = MoRCoreWithWeightsCastOnce(block)
         if block.routers is None and any(not isinstance(layer, torch.nn.Identity) for layer in block.core):
             # An instance attribute shadows the method: `recurrence_step` calls the compiled one.
             block.step_math = torch.compile(block.step_math, dynamic=False)
@@ -80,6 +85,33 @@ def apply_compile(model: torch.nn.Module, cast_weights_once: bool = True) -> int
     return regions
 
 
+def _autocast_dtype(device: torch.device, linears: list) -> Optional[torch.dtype]:
+    """The dtype autocast would cast the linears' weights to, or None where nothing is to hoist: no
+    autocast, no local linears, or ZeRO 3 (whose weights are gathered only inside each linear's forward)."""
+    if not torch.is_autocast_enabled(device.type) or not linears:
+        return None
+    if any(hasattr(linear.weight, "ds_id") for linear in linears):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+@contextmanager
+def _weights_replaced(linears: list, casts: list):
+    """Each linear's `weight` is its cast while inside (the compiled graphs read it from there)."""
+    weights = [linear._parameters["weight"] for linear in linears]
+    for linear, cast in zip(linears, casts):
+        linear._parameters["weight"] = cast
+    try:
+        yield
+    finally:
+        for linear, weight in zip(linears, weights):
+            linear._parameters["weight"] = weight
+
+
+def _local_linears(*parts) -> list:
+    return [m for part in parts if part is not None for m in part.modules() if isinstance(m, (ColumnLinear, RowLinear))]
+
+
 class StepWithWeightsCastOnce:
     """The compiled recurrence step, its linears' weights cast to autocast's dtype once per forward.
 
@@ -90,16 +122,14 @@ class StepWithWeightsCastOnce:
     each local linear's weight is cast once, and every step of that forward runs the compiled graph with
     the cast in the weight's place, so autograd sums the R steps' bf16 gradients before one cast back, as
     eager mode does (tests/test_compile.py counts the casts). A forward is known by its prelude output
-    `h_pre`, which every step of it gets (held weakly: the casts go when it does), by the grad mode (the
-    truncated-backprop steps run without gradient and must not lend their casts to the steps with) and by
-    the weights' versions (an optimizer step changes them in place). Without autocast, and under ZeRO 3
-    (whose weights are gathered only inside each linear's forward), the step runs as compiled."""
+    `h_pre`, which every step of it gets, recomputed ones included (held weakly: the casts go when it
+    does), by the grad mode (the truncated-backprop steps run without gradient and must not lend their
+    casts to the steps with) and by the weights' versions (an optimizer step changes them in place).
+    Without autocast, and under ZeRO 3, the step runs as compiled."""
 
     def __init__(self, block: GatedRecurrentBlock, compiled_step: Callable):
         self.compiled_step = compiled_step
-        step_modules = [*block.core, block.injection, block.gate_fc1, block.gate_fc2]
-        self.linears = [m for part in step_modules if part is not None for m in part.modules()
-                        if isinstance(m, (ColumnLinear, RowLinear))]
+        self.linears = _local_linears(*block.core, block.injection, block.gate_fc1, block.gate_fc2)
         self._forward: Optional[tuple] = None
         self._casts: list[torch.Tensor] = []
 
@@ -116,19 +146,29 @@ class StepWithWeightsCastOnce:
             self._forward, self._casts = None, []
 
     def __call__(self, h, h_pre, *args):
-        device = h_pre.device.type
-        if (not torch.is_autocast_enabled(device) or not self.linears
-                or any(hasattr(linear.weight, "ds_id") for linear in self.linears)):
+        dtype = _autocast_dtype(h_pre.device, self.linears)
+        if dtype is None:
             return self.compiled_step(h, h_pre, *args)
-        casts = self._weight_casts(h_pre, torch.get_autocast_dtype(device))
-        weights = [linear._parameters["weight"] for linear in self.linears]
-        for linear, cast in zip(self.linears, casts):
-            linear._parameters["weight"] = cast
-        try:
+        with _weights_replaced(self.linears, self._weight_casts(h_pre, dtype)):
             return self.compiled_step(h, h_pre, *args)
-        finally:
-            for linear, weight in zip(self.linears, weights):
-                linear._parameters["weight"] = weight
+
+
+class MoRCoreWithWeightsCastOnce:
+    """Mixture-of-Recursions' core (`run_core`, its layers compiled one by one), its linears' weights cast
+    to autocast's dtype once per forward, as `StepWithWeightsCastOnce` does for the recurrence step: every
+    recursion runs the compiled layers on the same casts. MoR recomputes nothing (recurrence
+    checkpointing is refused with it), so the casts live for the call."""
+
+    def __init__(self, block: GatedRecurrentBlock):
+        self.run_core = block.run_core
+        self.linears = _local_linears(*block.core)
+
+    def __call__(self, h_pre, *args):
+        dtype = _autocast_dtype(h_pre.device, self.linears)
+        if dtype is None:
+            return self.run_core(h_pre, *args)
+        with _weights_replaced(self.linears, [linear.weight.to(dtype) for linear in self.linears]):
+            return self.run_core(h_pre, *args)
 
 
 def compiled_graphs() -> int:
