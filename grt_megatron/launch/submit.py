@@ -145,8 +145,8 @@ def pipeline_stages_line(cfg, run_dir: Path) -> Optional[str]:
         return None
     from grt_megatron.data import DataError
     from grt_megatron.data.prepare import tokenizer_of_prefix
-    from grt_megatron.model.config import ConfigError
     from grt_megatron.data.tokenizer import load_tokenizer
+    from grt_megatron.model.config import ConfigError
     from grt_megatron.parallel.pipeline_stages import plan_pipeline_stages
 
     d, tokenizer, where = cfg.data, None, None

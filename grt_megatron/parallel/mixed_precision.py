@@ -30,11 +30,11 @@ R = 16 the core's gradients are 1.0e-2 (relative) from float64's, against 9.2e-3
 inside itself, where autocast's cache cannot reach: the core's weights would be cast at every step, each
 step's graph would keep its own bf16 copy for backward, and autograd would add R fp32 gradients. So the
 compiled step gets its weights cast once per forward from outside its graph (`StepWithWeightsCastOnce`,
-parallel/compile.py; MoR's core likewise), and compiled runs cast and sum as eager ones do. At the medium GRT (68 M shared
-parameters, R = 4) that is 2.0 GB of casts and additions a micro-batch instead of 5.7 GB, and one bf16
-copy of the core (136 MB) kept for backward instead of R (by arithmetic; on a CPU, at the small shape's
-R = 10, 11% fewer bytes saved for backward, measured by tools/bench/compile.py). Whether bf16-mixed beats
-bf16 on a GPU is the GPU check's question (README, "GPU check").
+parallel/compile.py; MoR's core likewise), and compiled runs cast and sum as eager ones do. At the medium
+GRT (68 M shared parameters, R = 4) that is 2.0 GB of casts and additions a micro-batch instead of 5.7 GB,
+and one bf16 copy of the core (136 MB) kept for backward instead of R (by arithmetic; on a CPU, at the
+small shape's R = 10, 11% fewer bytes saved for backward, measured by tools/bench/compile.py). Whether
+bf16-mixed beats bf16 on a GPU is the GPU check's question (README, "GPU check").
 """
 
 from __future__ import annotations
