@@ -61,6 +61,8 @@ def load_checkpoint_model(path: Path, device: torch.device, dtype: str = "fp32")
 
     tensors, _ = consolidate(path, progress=False)
     recipe = inspect_checkpoint(path).state["model"]
+    if dtype == "bf16":  # a training setting for bf16-mixed: bf16 weights carry a bf16 stream (and refuse it)
+        recipe = {**recipe, "fp32_residual_connection": False}
     # Built on the host (megatron's CPU initialisation) and moved whole, as DeepSpeed moves a training model.
     model = GRTLanguageModel(GRTConfig.from_recipe(recipe, precision="bf16" if dtype == "bf16" else "fp32"))
     load_weights(model, tensors)

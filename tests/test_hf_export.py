@@ -21,11 +21,13 @@ PORT = iter(range(29800, 29850))
 @pytest.fixture(scope="module")
 def trained(pydoc_prefix, tmp_path_factory):
     """A tiny GRT (1+2×3+1, so the core has two layers) trained 3 steps in TP 2 (with its own output layer)
-    and in PP 2 (tied). A small LR keeps the untied one close to its random init, whose greedy
-    continuations vary from token to token (a tied random model repeats its input token)."""
+    and in PP 2 (tied; bf16-mixed with an fp32 residual stream, a setting the checkpoint records). A small LR
+    keeps the untied one close to its random init, whose greedy continuations vary from token to token (a
+    tied random model repeats its input token)."""
     out = {}
     for name, layout in (("tp2", ["parallel.tp=2", "model.tie_embeddings=false"]),
-                         ("pp2", ["parallel.pp=2", "deepspeed.zero_stage=1"])):
+                         ("pp2", ["parallel.pp=2", "deepspeed.zero_stage=1", "train.precision=bf16-mixed",
+                                  "model.fp32_residual_connection=true"])):
         run_dir = tmp_path_factory.mktemp(name) / "run"
         proc = run_cli(["model=tiny", "model.core_layers=2", "model.recurrences=3", f"data={pydoc_prefix[0]}",
                         "train.iters=3", "train.lr=1e-5", "train.min_lr=1e-6", "train.global_batch_size=4",
@@ -235,14 +237,18 @@ def test_grt_convert_hf_checks_its_paths_before_the_heavy_imports(trained, expor
     assert status == 2 and imported == []
 
 
-def test_grt_generate_loads_a_checkpoint_in_bf16_within_bf16s_rounding(world, trained):
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_grt_generate_loads_a_checkpoint_in_bf16_within_bf16s_rounding(world, trained, layout):
     """`grt-generate --dtype bf16` builds the framework model in bf16 (weights and activations) from any
-    layout's checkpoint; its logits stay within the HF export's bf16 tolerance of fp32's."""
+    layout's checkpoint; its logits stay within the HF export's bf16 tolerance of fp32's. A checkpoint
+    trained with an fp32 residual stream loads too (bf16 weights carry a bf16 stream; the training
+    setting was refused with bf16 weights, a message about train.precision)."""
     from grt_megatron.generation import load_checkpoint_model
 
     tokens = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
-    fp32 = load_checkpoint_model(trained["tp2"], torch.device("cpu"), "fp32")
-    bf16 = load_checkpoint_model(trained["tp2"], torch.device("cpu"), "bf16")
+    fp32 = load_checkpoint_model(trained[layout], torch.device("cpu"), "fp32")
+    bf16 = load_checkpoint_model(trained[layout], torch.device("cpu"), "bf16")
+    assert fp32.config.fp32_residual_connection == (layout == "pp2")
     assert not fp32.training and {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     with torch.no_grad():
         want, got = fp32(tokens), bf16(tokens).float()
