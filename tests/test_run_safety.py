@@ -3,6 +3,7 @@ with one line and a documented status, and a finished run resumed says so."""
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 
@@ -39,6 +40,41 @@ def test_two_runs_started_at_once_one_is_refused_naming_the_holder(pydoc_prefix,
     assert json.loads((run_dir / "run_info.json").read_text())["config"]["seed"] == seed
     assert yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["seed"] == seed
     assert f"seed={seed}" in yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
+
+
+_SLOW_HOLDER = """
+import fcntl, json, os, socket, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(0.4)  # the window between taking the lock and naming itself, widened
+os.ftruncate(fd, 0)
+os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}) + "\\n").encode(), 0)
+time.sleep(30)
+"""
+
+
+def test_a_run_refused_while_the_holder_is_naming_itself_waits_for_its_name(tmp_path):
+    """The holder writes its name just after it takes the lock: a run refused in that instant read an empty
+    file, or a finished run's name (CI once refused the second of two runs started at once naming no pid).
+    It reads again until the text names a live process."""
+    from grt_megatron.model import ConfigError
+    from grt_megatron.training.run_dir import LOCK_FILE, RunLock, _holder_text
+
+    lock = tmp_path / LOCK_FILE
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+    lock.write_text(json.dumps({"pid": int(finished.stdout), "host": socket.gethostname(), "started": "then"}))
+    holder = subprocess.Popen([sys.executable, "-c", _SLOW_HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=rf"in use by another grt-train \(pid {holder.pid} on "):
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    lock.write_text("")  # nobody names itself: said so, after the wait
+    assert _holder_text(lock, wait_s=0.1) == "a process that has just started"
 
 
 def test_refused_run_leaves_the_old_record_alone_and_finished_resume_says_so(pydoc_prefix, tmp_path):

@@ -28,12 +28,32 @@ from grt_megatron.model import ConfigError
 LOCK_FILE = ".grt-train.lock"
 
 
-def _holder_text(path: Path) -> str:
+def _holder_text(path: Path, wait_s: float = 2.0) -> str:
+    """Who holds the lock, as the holder's text names it. The holder writes that text just after it takes
+    the lock, so a run refused in that instant reads an empty file, or the text a finished run left there
+    (two runs started at once, under load, were refused naming no pid): it reads again for up to `wait_s`
+    until the text names a live process (on this host; another host's cannot be checked)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            holder = json.loads(path.read_text())
+            if holder["host"] != socket.gethostname() or _alive(int(holder["pid"])):
+                return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if time.monotonic() >= deadline:
+            return "a process that has just started"
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
     try:
-        holder = json.loads(path.read_text())
-        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "a process that has just started"
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
 
 
 class RunLock:
