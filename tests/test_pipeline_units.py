@@ -5,8 +5,8 @@ import torch
 
 from conftest import tiny_config
 from grt_megatron.model import ConfigError, GRTLanguageModel
-from grt_megatron.parallel.pipeline import PipelineUnit, pipeline_units
-from grt_megatron.parallel.pipeline_stages import balanced_stage_starts
+from grt_megatron.parallel.pipeline import PipelineUnit, pipeline_unit_specs
+from grt_megatron.parallel.pipeline_stages import balanced_stage_starts, plan_pipeline_stages
 
 
 def test_balanced_stage_starts():
@@ -34,14 +34,15 @@ def test_units_keep_the_core_whole_and_split_dense(world):
     from grt_megatron.model.flops import _layer_flops, _recurrence_extra_flops
 
     grt = tiny_config(prelude_layers=2, core_layers=3, coda_layers=1, recurrences=4)
-    names, units, costs = pipeline_units(grt, init_seed=0, seq_len=32)
+    stages = plan_pipeline_stages(grt, seq_len=32, pp=1)
+    names, costs, units = stages.names, stages.costs, pipeline_unit_specs(grt, 0, stages.names)
     layer, head = _layer_flops(grt, 32), 2 * grt.hidden_size * grt.padded_vocab_size
     assert _recurrence_extra_flops(grt) > 0
     assert costs == [0, layer, layer, 4 * (3 * layer + _recurrence_extra_flops(grt)), layer, 0, head]
     assert len(units) == len(costs) == len(names)
     dense = tiny_config(prelude_layers=0, core_layers=4, coda_layers=0, recurrences=1, gate="none",
                         injection="none", noise_sigma=0.0)
-    assert pipeline_units(dense, init_seed=0, seq_len=32)[2] == [0, layer, layer, layer, layer, 0, head]
+    assert plan_pipeline_stages(dense, seq_len=32, pp=1).costs == [0, layer, layer, layer, layer, 0, head]
 
 
 def test_medium_shapes_balance_the_head():

@@ -27,8 +27,6 @@ from megatron.core import parallel_state
 from grt_megatron.model.config import GRTConfig
 from grt_megatron.model.language_model import GRTLanguageModel, attention_mask_of, vocab_parallel_loss
 from grt_megatron.model.layers import StepInputs, run_layers
-from grt_megatron.model.flops import pipeline_unit_flops
-from grt_megatron.parallel.layout import pipeline_unit_names
 from grt_megatron.parallel.pipeline_stages import plan_pipeline_stages
 
 TIED_WEIGHT = "embedding.word_embeddings.weight"
@@ -107,10 +105,8 @@ def tied_head(unit: PipelineUnit, hidden: torch.Tensor) -> torch.Tensor:
     return unit.logits(hidden)
 
 
-def pipeline_units(config: GRTConfig, init_seed: int, seq_len: int) -> tuple[list[str], list, list[int]]:
-    """The units in order, by name (`pipeline_unit_names`, the one list of them), with the LayerSpec and
-    the forward FLOPs per token (for partitioning) of each."""
-    names = pipeline_unit_names(config.prelude_layers, config.core_layers, config.coda_layers, config.is_dense)
+def pipeline_unit_specs(config: GRTConfig, init_seed: int, names: Sequence[str]) -> list:
+    """The LayerSpec of each unit, by name (`pipeline_unit_names`, the one list of them)."""
 
     def spec(name: str):
         if name in ("embedding", "head") and config.tie_embeddings:
@@ -121,7 +117,7 @@ def pipeline_units(config: GRTConfig, init_seed: int, seq_len: int) -> tuple[lis
             return LayerSpec(PipelineUnit, config, init_seed, "layer", int(name.removeprefix("layer.")))
         return LayerSpec(PipelineUnit, config, init_seed, "output_layer" if name == "head" else name)
 
-    return names, [spec(name) for name in names], pipeline_unit_flops(config, seq_len, names)
+    return [spec(name) for name in names]
 
 
 class GRTPipelineModule(PipelineModule):
@@ -130,11 +126,9 @@ class GRTPipelineModule(PipelineModule):
     def __init__(self, config: GRTConfig, init_seed: int, pp: int, dp_size: int, seq_len: int,
                  split_points: Optional[Sequence[str]] = None):
         self.stages = plan_pipeline_stages(config, seq_len, pp, split_points)
-        self.unit_names, units, _ = pipeline_units(config, init_seed, seq_len)
-        self.stage_starts = self.stages.starts
         tp = config.tensor_model_parallel_size
         super().__init__(
-            layers=units,
+            layers=pipeline_unit_specs(config, init_seed, self.stages.names),
             loss_fn=lambda logits, labels: vocab_parallel_loss(logits, labels, self.fused_loss).mean(),
             topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp_size),
             partition_method="uniform",  # replaced by _partition_layers below
@@ -153,5 +147,5 @@ class GRTPipelineModule(PipelineModule):
         return self.stages.describe()
 
     def _partition_layers(self, method="uniform"):
-        self.parts = [*self.stage_starts, len(self._layer_specs)]
+        self.parts = [*self.stages.starts, len(self._layer_specs)]
         self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
