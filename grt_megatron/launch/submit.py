@@ -159,19 +159,17 @@ def pipeline_stages_line(cfg, run_dir: Path) -> Optional[str]:
             where = f"{prefix}.tokenizer.model"
     except DataError:
         tokenizer = None  # the job reports it at its start (and the warnings above name missing files)
-    vocab = cfg.model.get("vocab_size") or (tokenizer.vocab_size if tokenizer else None)
-    if vocab is None:
+    known = tokenizer.vocab_size if tokenizer else cfg.model.get("vocab_size")
+    if known is None:
         return ("pipeline stages: decided at the job's start, when its tokenizer is known (the head's cost is "
                 "2·d·V)")
-    source = "model.vocab_size" if cfg.model.get("vocab_size") else where
-    try:
-        if tokenizer is not None:
-            cfg.model_config(tokenizer.vocab_size)  # refuses a model.vocab_size below the tokenizer's
-        stages = plan_pipeline_stages(cfg.model_config(vocab), cfg.seq_length, cfg.parallel.pp,
-                                      cfg.parallel.pp_split_points)
+    try:  # grt-train's call: model.vocab_size wins, and one below the tokenizer's is refused
+        model = cfg.model_config(known)
+        stages = plan_pipeline_stages(model, cfg.seq_length, cfg.parallel.pp, cfg.parallel.pp_split_points)
     except ConfigError as err:
         raise SubmitError(f"grt-train would refuse this run: {err}") from None
-    return f"pipeline stages (vocabulary {vocab}, from {source}): {stages.describe()}"
+    source = "model.vocab_size" if cfg.model.get("vocab_size") else where
+    return f"pipeline stages (vocabulary {model.vocab_size}, from {source}): {stages.describe()}"
 
 
 def cpus(settings: dict) -> tuple[int, int]:
