@@ -65,7 +65,9 @@ def test_flops_match_paper_formula():
     cfg = recipe("small_grt_isoflops")
     d, s, r = cfg.hidden_size, 1024, 7
     parts = forward_flops_per_token(cfg, s, r)
-    assert parts["layers"] + parts["recurrence"] == (1 + r + 1) * (24 * d * d + 4 * s * d) + 10 * r * d * d
+    # The paper's 10·R·d² for the gate and projection, less the h_pre halves of W_in and W_1 (2·d² each
+    # a step) that run once per forward instead of at every step.
+    assert parts["layers"] + parts["recurrence"] == (1 + r + 1) * (24 * d * d + 4 * s * d) + 6 * r * d * d + 4 * d * d
     assert parts["output_layer"] == 2 * d * 50304
     dense = forward_flops_per_token(recipe("small_dense"), s)
     assert dense["recurrence"] == 0 and dense["layers"] == 12 * (24 * d * d + 4 * s * d)
@@ -73,7 +75,34 @@ def test_flops_match_paper_formula():
     full = train_flops_per_token(cfg, s, DepthDraw(5, 5))
     truncated = train_flops_per_token(cfg, s, DepthDraw(5, 2))
     assert full == 3 * forward_flops_per_token(cfg, s, 5)["total"]
-    assert full - truncated == 2 * 3 * (24 * d * d + 4 * s * d + 10 * d * d)
+    # ... and the first step with gradient computes no input gradient for W_in's state half.
+    assert full - truncated == 2 * 3 * (24 * d * d + 4 * s * d + 6 * d * d) + 2 * d * d
+
+
+@pytest.mark.parametrize("variant, overrides", [
+    ("grt", {}), ("fixed-gate", {"gate": "fixed"}), ("add-injection", {"injection": "add"}),
+    ("dense", {"recurrences": 1, "gate": "none", "injection": "none"}),
+    ("rrt", {"gate": "none", "injection": "none", "lora_rank": 4}),
+    ("truncated", {"depth_sampler": "heavy_tail"}),
+])
+def test_flops_count_the_products_that_run(world, variant, overrides):
+    """flops.py against torch's FLOP counter over a training step's forward and backward: every matrix
+    product the model runs, the hoisted h_pre halves of W_in and W_1 once per forward, the truncated
+    steps forward only. (The CPU attention kernel is not counted by torch's counter: its term is taken off.)"""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = tiny_config(**overrides)
+    model = GRTLanguageModel(cfg, init_seed=0).train()
+    b, s = 2, 16
+    draw = DepthDraw(4, 2) if variant == "truncated" else DepthDraw(cfg.recurrences, cfg.recurrences)
+    x = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(x[:, :-1], x[:, 1:], recurrences=draw.recurrences, grad_recurrences=draw.grad_recurrences).mean().backward()
+    assert set(counter.get_flop_counts()["Global"]) <= {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}
+    layer_runs = cfg.prelude_layers + cfg.coda_layers + cfg.core_layers * draw.recurrences
+    grad_layer_runs = layer_runs - cfg.core_layers * draw.no_grad_recurrences
+    attention = 4 * s * cfg.hidden_size * (3 * grad_layer_runs + (layer_runs - grad_layer_runs))
+    assert counter.get_total_flops() == (train_flops_per_token(cfg, s, draw) - attention) * b * s
 
 
 def test_gate_is_about_0_98_at_init(world):
@@ -192,6 +221,35 @@ def test_gate_blends_state_and_core_output(world):
         o = run_layers(block.core, x, inputs)
         # h + (1−g)·(o − h) with 1−g = 1 is o up to the rounding of h + (o − h) (|h| ~ 1: ~1e-7).
         assert torch.allclose(block.recurrence_step(h_pre, h_pre, inputs, 0), o, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["grt", "fixed-gate", "add-injection"])
+def test_hoisted_prelude_terms_give_the_step_of_the_concatenations(world, variant):
+    """A step handed the forward's `prelude_terms` (the h_pre halves of W_in and W_1 multiplied once) is the
+    step that multiplies [h + eps_x, h_pre] and [LN_a(h), LN_b(h_pre)] whole, as the equations are written:
+    the same state and the same gradients of h, h_pre and every weight, to fp32 rounding, noise included."""
+    overrides = {"fixed-gate": {"gate": "fixed"}, "add-injection": {"injection": "add"}}.get(variant, {})
+    model = build(tiny_config(recurrences=2, gate_bias_init=0.0, **overrides)).train()
+    block = model.block
+    assert block.hoists_prelude_terms()
+    gen = torch.Generator().manual_seed(0)
+    h, h_pre = (torch.randn(16, 2, 64, generator=gen).requires_grad_() for _ in range(2))
+    weights = [p for p in block.parameters() if p.requires_grad]
+    inputs = StepInputs(None, noise_seeds=[3, 4])
+    runs = []
+    for hoisted in (False, True):
+        terms = block.prelude_terms(h_pre) if hoisted else None
+        out = block.recurrence_step(h, h_pre, inputs, 1, terms)
+        grads = torch.autograd.grad(out.square().sum(), [h, h_pre, *weights], allow_unused=True)
+        runs.append((out.detach(), grads))
+    (want, want_grads), (got, got_grads) = runs
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    for name, g, w in zip(["h", "h_pre", *[n for n, p in block.named_parameters() if p.requires_grad]],
+                          got_grads, want_grads):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-5), (name, float((g - w).abs().max()))
+    assert not torch.equal(want, h)  # the step moved the state
 
 
 def test_heavy_tail_steps_beyond_k_carry_no_gradient(world):

@@ -34,8 +34,8 @@ def _updates(model, tokens):
     block, seen = model.block, []
     step = block.recurrence_step
 
-    def recording(h, h_pre, inputs, r):
-        out = step(h, h_pre, inputs, r)
+    def recording(h, h_pre, inputs, r, *terms):
+        out = step(h, h_pre, inputs, r, *terms)
         seen.append(out - h)
         return out
 

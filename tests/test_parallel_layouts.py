@@ -40,6 +40,11 @@ REFERENCES["tiny+fp32-residual"] = ["tiny", "train.precision=bf16-mixed", "model
 # bf16 matmuls round where each layout's partial products meet (a TP all-reduce sums bf16 halves): the
 # same math within bf16's rounding, measured at ≤ 7e-5 (grad norm) and ≤ 1.1e-5 (loss) on these runs.
 TOLERANCE = {"tiny+bf16-mixed": 3e-4, "tiny+fp32-residual": 3e-4}
+# ZeRO 3's weights exist only inside their own module's forward, so there each recurrence step multiplies
+# the concatenations [h, h_pre] whole, where every other layout multiplies the h_pre halves once per forward
+# (GatedRecurrentBlock.prelude_terms): in bf16 the two round the gate's and the injection's products in
+# different places. Measured 6.1e-4 on the grad norm, 1.4e-5 on the loss.
+TOLERANCE_ZERO3 = {"tiny+bf16-mixed": 1e-3}
 
 
 PORT = iter(range(29610, 29700))
@@ -105,6 +110,8 @@ def test_layout_matches_one_process(references, pydoc_prefix, tmp_path, model, p
     for g, w in zip(got, want):
         assert g["step"] == w["step"] and g.get("recurrences") == w.get("recurrences")
         rel = TOLERANCE.get(model, 1e-5)
+        if "deepspeed.zero_stage=3" in layout:
+            rel = TOLERANCE_ZERO3.get(model, rel)
         assert g["loss"] == pytest.approx(w["loss"], rel=rel), (g, w)
         if "grad_norm" in w:
             # The grad norm catches what a few losses would not, e.g. SP norm grads not summed over TP.

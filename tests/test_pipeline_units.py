@@ -31,14 +31,15 @@ def test_balanced_stage_starts():
 
 
 def test_units_keep_the_core_whole_and_split_dense(world):
-    from grt_megatron.model.flops import _layer_flops, _recurrence_extra_flops
+    from grt_megatron.model.flops import _layer_flops, _prelude_terms_flops, _recurrence_extra_flops
 
     grt = tiny_config(prelude_layers=2, core_layers=3, coda_layers=1, recurrences=4)
     stages = plan_pipeline_stages(grt, seq_len=32, pp=1)
     names, costs, units = stages.names, stages.costs, pipeline_unit_specs(grt, 0, stages.names)
     layer, head = _layer_flops(grt, 32), 2 * grt.hidden_size * grt.padded_vocab_size
     assert _recurrence_extra_flops(grt) > 0
-    assert costs == [0, layer, layer, 4 * (3 * layer + _recurrence_extra_flops(grt)), layer, 0, head]
+    core = 4 * (3 * layer + _recurrence_extra_flops(grt)) + _prelude_terms_flops(grt)
+    assert costs == [0, layer, layer, core, layer, 0, head]
     assert len(units) == len(costs) == len(names)
     dense = tiny_config(prelude_layers=0, core_layers=4, coda_layers=0, recurrences=1, gate="none",
                         injection="none", noise_sigma=0.0)

@@ -2,7 +2,11 @@
 
 Forward FLOPs per token (PAPER_NOTES): (P + K·R + C)·(24d² + 4Sd) + 10·R·d² for the gate and projection,
 generalised here to any FFN width, to the variants without gate/projection, and with the output layer
-(2·d·V) reported as its own term. Training counts 3× forward for steps with gradient and 1× for the
+(2·d·V) reported as its own term. The projection W_in and the gate's W_1 multiply [state, h_pre]: their
+h_pre halves are multiplied once per forward, not at every step (`GatedRecurrentBlock.prelude_terms`), so
+the gate and projection count 6·R·d² + 4·d², the products that run (tests/test_model.py counts them with
+torch's FLOP counter). Under ZeRO 3 the steps multiply the whole concatenations (10·R·d²); the extra 4·d²
+a step is not counted, as recomputation is not. Training counts 3× forward for steps with gradient and 1× for the
 heavy-tail sampler's no-grad steps; recomputation from activation checkpointing is not model FLOPs.
 RRT's deltas count 2·rank·(in + out) per relaxed linear per step. Ouro runs the coda, the LM head and the
 exit head at every step in training: its forward counts them R times (evaluation at a fixed R runs them once).
@@ -23,15 +27,22 @@ def _layer_flops(cfg: GRTConfig, seq_len: int) -> int:
 
 
 def _recurrence_extra_flops(cfg: GRTConfig) -> int:
+    """A step's products besides the core's layers: the state's half of W_in and of W_1, W_2, RRT's deltas."""
     d = cfg.hidden_size
     flops = 0
     if cfg.injection == "concat_project":
-        flops += 2 * (2 * d * d)
+        flops += 2 * d * d
     if cfg.gate == "mlp":
-        flops += 2 * (2 * d * d + d * d)
+        flops += 2 * (d * d + d * d)
     if cfg.lora_rank:
         flops += 2 * cfg.core_layers * lora_parameters_per_layer(d, cfg.ffn_hidden_size, cfg.lora_rank)
     return flops
+
+
+def _prelude_terms_flops(cfg: GRTConfig) -> int:
+    """Once per forward: the h_pre halves of W_in and W_1 (`GatedRecurrentBlock.prelude_terms`)."""
+    d = cfg.hidden_size
+    return 2 * d * d * ((cfg.injection == "concat_project") + (cfg.gate == "mlp"))
 
 
 def _mor_flops(cfg: GRTConfig, seq_len: int, recurrences: int) -> tuple[float, float]:
@@ -51,7 +62,7 @@ def forward_flops_per_token(cfg: GRTConfig, seq_len: int, recurrences: int | Non
     r = cfg.recurrences if recurrences is None else recurrences
     parts = {
         "layers": cfg.depth(r) * _layer_flops(cfg, seq_len),
-        "recurrence": r * _recurrence_extra_flops(cfg),
+        "recurrence": r * _recurrence_extra_flops(cfg) + (_prelude_terms_flops(cfg) if r else 0),
         "output_layer": 2 * cfg.hidden_size * cfg.padded_vocab_size,
     }
     if cfg.exit_head:  # Ouro: coda, final norm, LM head and exit head at every step
@@ -67,12 +78,15 @@ def forward_flops_per_token(cfg: GRTConfig, seq_len: int, recurrences: int | Non
 
 
 def train_flops_per_token(cfg: GRTConfig, seq_len: int, draw: DepthDraw) -> int:
-    """Model FLOPs of one training step per token: 3× forward, except 1× for no-grad core steps."""
+    """Model FLOPs of one training step per token: 3× forward, except 1× for no-grad core steps. After
+    them, the first step with gradient gets a state without one: W_in's state half computes no input
+    gradient there (W_1's does: LN_a's weights have one)."""
     full = forward_flops_per_token(cfg, seq_len, draw.recurrences)["total"]
     no_grad_core = draw.no_grad_recurrences * (
         cfg.core_layers * _layer_flops(cfg, seq_len) + _recurrence_extra_flops(cfg)
     )
-    return 3 * full - 2 * no_grad_core
+    untracked_state = 2 * cfg.hidden_size ** 2 if draw.no_grad_recurrences and cfg.injection == "concat_project" else 0
+    return 3 * full - 2 * no_grad_core - untracked_state
 
 
 def count_parameters(cfg: GRTConfig) -> dict[str, int]:
@@ -106,5 +120,6 @@ def pipeline_unit_flops(cfg: GRTConfig, seq_len: int, units: list[str]) -> list[
     (3.5 at the medium shape), so counting layers alone would leave it on an overloaded last stage."""
     layer = _layer_flops(cfg, seq_len)
     cost = {"embedding": 0, "final_norm": 0, "head": 2 * cfg.hidden_size * cfg.padded_vocab_size,
-            "core": cfg.recurrences * (cfg.core_layers * layer + _recurrence_extra_flops(cfg))}
+            "core": cfg.recurrences * (cfg.core_layers * layer + _recurrence_extra_flops(cfg))
+            + _prelude_terms_flops(cfg)}
     return [layer if name.startswith("layer.") else cost[name] for name in units]

@@ -14,6 +14,11 @@ diagnostics, parallelism, training) lives elsewhere.
                                                                     computed as h + sigmoid(-a)·(o − h), h in fp32
     out = Coda(h_R)
 
+W_in and W_1 multiply concatenations of the state and h_pre, so their h_pre columns give the same product
+at every step: `prelude_terms` computes it once per forward (W_in,p·h_pre, and W_1,p·LN_b(h_pre) + b_1) and
+each step multiplies only the state by the state's columns, d² multiply-adds a token instead of 2d², in both
+linears (flops.py counts what runs: 4d² forward FLOPs a token a step fewer than the paper's 10·R·d²).
+
 eps_x, eps_g ~ N(0, sigma²), fresh at every step, in training only (noise.py). With `injection="add"`
 x_r = h_{r-1} + eps_x + h_pre, with `injection="none"` x_r = h_{r-1} + eps_x. Mixture-of-Recursions
 (`routing="expert_choice"`) replaces the gate with routers (mor.py); RRT (`lora_rank`) adds a per-recursion
@@ -29,11 +34,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Union
+from functools import partial
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.utils import get_pg_rank
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch.utils.hooks import RemovableHandle
@@ -61,6 +68,23 @@ class GatedRecurrentBlockSubmodules:
     """W_2: d -> d with bias b_2 (row-parallel)."""
 
 
+class PreludeTerms(NamedTuple):
+    """What the injection and the gate's first linear take from the prelude output, computed once per
+    forward (`GatedRecurrentBlock.prelude_terms`) and handed to every step. The weights are this rank's
+    state columns, already in the dtype the step multiplies in (autocast's under `bf16-mixed`: cast once
+    per forward, as autocast's cache casts a whole weight, not at every step)."""
+
+    injection_weight: Optional[torch.Tensor]
+    """W_in's columns that multiply the state (this TP rank's share of them; possibly none: [d, 0])."""
+    injection: Optional[torch.Tensor]
+    """This TP rank's partial product of W_in's h_pre columns with h_pre, [s, b, d], summed over the TP
+    group (reduce-scattered under SP) with the state's partial at every step."""
+    gate_weight: Optional[torch.Tensor]
+    """W_1's state columns (this TP rank's rows)."""
+    gate: Optional[torch.Tensor]
+    """W_1's h_pre columns times LN_b(h_pre), plus b_1: [s, b, d/TP] (the whole sequence under SP)."""
+
+
 class GatedRecurrentBlock(MegatronModule):
     """Prelude → R × (inject, core, gate) → coda, built from a `ModuleSpec` like megatron's TransformerBlock."""
 
@@ -85,6 +109,13 @@ class GatedRecurrentBlock(MegatronModule):
                     bias=False, input_is_parallel=config.sequence_parallel, skip_bias_add=False,
                     is_expert=False,
                 )
+        self.injection_columns = None
+        """(state columns, first state column): this TP rank's slice of W_in (its `2d/TP` input columns
+        of [h, h_pre]) starts with that many of the state's, from that one on; the rest are h_pre's."""
+        if self.injection is not None:
+            width = self.injection.input_size_per_partition
+            first = get_pg_rank(self.injection.tp_group) * width
+            self.injection_columns = (max(0, min(width, d - first)), first)
         self.gate_fc1 = self.gate_fc2 = None
         if config.gate == "mlp" and owns_core:
             norm = dict(config=config, hidden_size=d, eps=config.layernorm_epsilon)
@@ -148,8 +179,65 @@ class GatedRecurrentBlock(MegatronModule):
         x, _ = self.injection(z)
         return x
 
-    def recurrence_step(self, h, h_pre, inputs: StepInputs, step: int):
-        """Step `step` (0-based): h_{r-1} -> h_r. `h` is the fp32 state (see `run_core`).
+    def _tp_input(self, x: torch.Tensor, linear) -> torch.Tensor:
+        """`x` as every rank of `linear`'s TP group multiplies a slice of its columns: the whole sequence
+        (SP gathers it), its gradient summed over the group in backward (SP: reduce-scattered). What
+        megatron's column-parallel linear does with its input; at TP 1 nothing."""
+        if self.config.sequence_parallel:
+            return tensor_parallel.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True,
+                                                                         group=linear.tp_group)
+        if linear.tp_group.size() > 1:
+            return tensor_parallel.copy_to_tensor_model_parallel_region(x, group=linear.tp_group)
+        return x
+
+    def hoists_prelude_terms(self) -> bool:
+        """Whether steps take `prelude_terms`: with a concat injection or an MLP gate, except under ZeRO 3,
+        whose weights exist only inside their own module's forward (there each step multiplies the
+        concatenation, as the equations are written)."""
+        linears = [m for m in (self.injection, self.gate_fc1) if m is not None]
+        return bool(linears) and not any(hasattr(m.weight, "ds_id") for m in linears)
+
+    def prelude_terms(self, h_pre: torch.Tensor) -> PreludeTerms:
+        """The h_pre columns' products of W_in and W_1, and the state columns the steps multiply by."""
+        device = h_pre.device.type
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on meta
+
+        def multiplied(weight):  # cast here, once, where autocast would cast it at every step
+            return weight.to(torch.get_autocast_dtype(device)) if autocast else weight
+
+        injection_weight = injection = gate_weight = gate = None
+        if self.injection is not None:
+            weight = multiplied(self.injection.weight)
+            state_columns, first = self.injection_columns
+            injection_weight = weight[:, :state_columns]
+            start = max(0, first + state_columns - self.config.hidden_size)  # this rank's first h_pre column
+            prelude = self._tp_input(h_pre, self.injection)[..., start : start + weight.shape[1] - state_columns]
+            injection = F.linear(prelude, weight[:, state_columns:])
+        if self.gate_fc1 is not None:
+            d = self.config.hidden_size
+            weight = multiplied(self.gate_fc1.weight)
+            gate_weight = weight[:, :d]
+            gate = F.linear(self._tp_input(self.gate_norm_prelude(h_pre), self.gate_fc1), weight[:, d:])
+            gate = gate + self.gate_fc1.bias
+        return PreludeTerms(injection_weight, injection, gate_weight, gate)
+
+    def _inject_with(self, h_in: torch.Tensor, terms: PreludeTerms) -> torch.Tensor:
+        """W_in·[h_in, h_pre] from this rank's state columns and the hoisted h_pre product, summed over
+        the TP group (reduce-scattered under SP) as megatron's row-parallel linear sums its partials."""
+        state_columns, first = self.injection_columns
+        state = self._tp_input(h_in, self.injection)[..., first : first + state_columns]
+        # A new tensor each step: megatron's all-reduce writes its sum into its input.
+        product = F.linear(state, terms.injection_weight) + terms.injection
+        group = self.injection.tp_group
+        if self.config.sequence_parallel:
+            return tensor_parallel.reduce_scatter_to_sequence_parallel_region(product, group=group)
+        if group.size() > 1:
+            return tensor_parallel.reduce_from_tensor_model_parallel_region(product, group=group)
+        return product
+
+    def recurrence_step(self, h, h_pre, inputs: StepInputs, step: int, terms: Optional[PreludeTerms] = None):
+        """Step `step` (0-based): h_{r-1} -> h_r. `h` is the fp32 state (see `run_core`); `terms` the
+        forward's `prelude_terms` (None: the step multiplies the concatenations itself).
 
         The step's noise is drawn here, outside `step_math`, so that `step_math` is pure tensor code that
         `torch.compile` captures whole (`train.compile`, parallel/compile.py): the per-sample generators
@@ -165,11 +253,12 @@ class GatedRecurrentBlock(MegatronModule):
         add_prelude = cfg.injection == "add" and not (step == 0 and cfg.initial_state == "prelude")
         with self.lora.at(step) if self.lora is not None else nullcontext():
             h_new, g = self.step_math(h, h_pre, eps_x, eps_g, inputs.attention_mask, inputs.rotary_pos_emb,
-                                      add_prelude)
+                                      add_prelude, terms)
         self.call_step_hooks(h, h_new, g, step=step)
         return h_new
 
-    def step_math(self, h, h_pre, eps_x, eps_g, attention_mask, rotary_pos_emb, add_prelude: bool):
+    def step_math(self, h, h_pre, eps_x, eps_g, attention_mask, rotary_pos_emb, add_prelude: bool,
+                  terms: Optional[PreludeTerms] = None):
         """Injection, core and gate of one step, given its noise: (h_r, g_r). The injection, the core and
         the gate MLP run in the model's dtype (that of `h_pre`), the blend in fp32. `train.compile`
         replaces this method on the instance with its compiled form."""
@@ -177,7 +266,8 @@ class GatedRecurrentBlock(MegatronModule):
         dtype = h_pre.dtype
         h_in = (h if eps_x is None else h + eps_x).to(dtype)
         if cfg.injection == "concat_project":
-            x = self._inject(h_in, h_pre).to(dtype)  # autocast's bf16 product; an fp32 stream stays fp32
+            x = self._inject(h_in, h_pre) if terms is None else self._inject_with(h_in, terms)
+            x = x.to(dtype)  # autocast's bf16 product; an fp32 stream stays fp32
         elif add_prelude:
             x = h_in + h_pre
         else:
@@ -192,7 +282,11 @@ class GatedRecurrentBlock(MegatronModule):
             return h + o, None
         if cfg.gate == "fixed":
             return h + self.fixed_rate * (o - h), self.fixed_gate
-        a, _ = self.gate_fc1(torch.cat([self.gate_norm_state(h.to(dtype)), self.gate_norm_prelude(h_pre)], dim=-1))
+        if terms is None:
+            a, _ = self.gate_fc1(torch.cat([self.gate_norm_state(h.to(dtype)), self.gate_norm_prelude(h_pre)], dim=-1))
+        else:
+            state = self._tp_input(self.gate_norm_state(h.to(dtype)), self.gate_fc1)
+            a = F.linear(state, terms.gate_weight) + terms.gate
         a, _ = self.gate_fc2(F.silu(a))
         a = a.float() / cfg.gate_temperature
         rate = torch.sigmoid(-(a if eps_g is None else a + eps_g))
@@ -209,14 +303,17 @@ class GatedRecurrentBlock(MegatronModule):
             h = random_initial_state(self.config, self.training, h_pre, inputs.noise_seeds).float()
         no_grad_steps = recurrences - grad_recurrences
         checkpoint = self.config.checkpoint_recurrence and self.training and torch.is_grad_enabled()
+        # With gradient when any step has it (they all add theirs to it), else without.
+        with torch.no_grad() if no_grad_steps >= recurrences else nullcontext():
+            terms = self.prelude_terms(h_pre) if self.hoists_prelude_terms() else None
         for r in range(recurrences):
             if r < no_grad_steps:
                 with torch.no_grad():
-                    h = self.recurrence_step(h, h_pre, inputs, r)
+                    h = self.recurrence_step(h, h_pre, inputs, r, terms)
             elif checkpoint:
-                h = checkpoint_step(self.recurrence_step, h, h_pre, inputs, r)
+                h = checkpoint_step(partial(self.recurrence_step, terms=terms), h, h_pre, inputs, r)
             else:
-                h = self.recurrence_step(h, h_pre, inputs, r)
+                h = self.recurrence_step(h, h_pre, inputs, r, terms)
             yield h
 
     def run_core(self, h_pre, inputs: StepInputs, recurrences: int, grad_recurrences: int):

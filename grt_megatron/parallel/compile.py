@@ -129,7 +129,8 @@ class StepWithWeightsCastOnce:
 
     def __init__(self, block: GatedRecurrentBlock, compiled_step: Callable):
         self.compiled_step = compiled_step
-        self.linears = _local_linears(*block.core, block.injection, block.gate_fc1, block.gate_fc2)
+        # The injection's and W_1's state columns come cast already (`GatedRecurrentBlock.prelude_terms`).
+        self.linears = _local_linears(*block.core, block.gate_fc2)
         self._forward: Optional[tuple] = None
         self._casts: list[torch.Tensor] = []
 
