@@ -243,6 +243,17 @@ def test_peft_lora_and_prompt_tuning_train_prefix_tuning_refused(folder, tmp_pat
     assert torch.equal(base.model.layers[1].self_attn.q_proj.weight, frozen)  # only the adapters moved
     assert lora.generate(input_ids=ids[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (1, 16)
 
+    # Adapters on the projection and the gate's first linear: those run whole on the concatenations, adapter
+    # included (plain linears multiply h_pre's half once per forward): the merged model's logits.
+    adapted = get_peft_model(load(), LoraConfig(r=2, target_modules=["injection", "gate_fc1"])).eval()
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))  # zero at creation
+        got, before = adapted(input_ids=ids).logits, load().eval()(input_ids=ids).logits
+        merged = adapted.merge_and_unload()(input_ids=ids).logits
+    assert close(got, merged, 1e-4) and not close(got, before, 1e-2)
+
     plain = load().eval()
     prompted = get_peft_model(load(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     losses = fit(prompted, 1e-1)  # through inputs_embeds: 4 virtual tokens before each row

@@ -364,9 +364,21 @@ class GRTModel(GRTPreTrainedModel):
             raise ValueError(f"exit_threshold={exit_rule}: an Ouro model's exit rule takes a probability in (0, 1]")
         if self.exit_head is not None:
             threshold = None
+        # W_in and W_1 multiply h_pre by the same columns at every step: those products are made once here, as
+        # in training, and each step multiplies the state by the state's columns. A linear that is not a
+        # plain nn.Linear (a PEFT adapter wraps it) runs whole on the concatenation, its adapter included.
+        d = cfg.hidden_size
+        injection = gate = None
+        if type(self.injection) is nn.Linear:
+            injection = (self.injection.weight[:, :d], F.linear(h_pre, self.injection.weight[:, d:]))
+        if type(self.gate_fc1) is nn.Linear:
+            gate = (self.gate_fc1.weight[:, :d],
+                    F.linear(self.gate_norm_prelude(h_pre), self.gate_fc1.weight[:, d:], self.gate_fc1.bias))
         for r in range(recurrences):
             layer_in = state.to(h_pre.dtype)
-            if self.injection is not None:
+            if injection is not None:
+                x = F.linear(layer_in, injection[0]) + injection[1]
+            elif self.injection is not None:
                 x = self.injection(torch.cat([layer_in, h_pre], dim=-1))
             elif cfg.injection == "add" and r > 0:
                 x = layer_in + h_pre
@@ -378,7 +390,10 @@ class GRTModel(GRTPreTrainedModel):
             if self.gate_fc1 is None:
                 new = x.float()
             else:
-                a = self.gate_fc1(torch.cat([self.gate_norm_state(layer_in), self.gate_norm_prelude(h_pre)], -1))
+                if gate is not None:
+                    a = F.linear(self.gate_norm_state(layer_in), gate[0]) + gate[1]
+                else:
+                    a = self.gate_fc1(torch.cat([self.gate_norm_state(layer_in), self.gate_norm_prelude(h_pre)], -1))
                 rate = torch.sigmoid(-(self.gate_fc2(F.silu(a)).float() / cfg.gate_temperature))  # 1 − g
                 new = state + rate * (x.float() - state)
             ran += active.long()
