@@ -105,6 +105,23 @@ def random_batch(batch: int, seq: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def interleaved_steps(engines: dict, recurrences: int, x, y, steps: int) -> tuple[dict, dict]:
+    """`steps` training steps of every engine in `engines` ({name: engine}), one engine after another at
+    each step so that the machine's noise hits them all, at R = `recurrences` with each step's noise keyed
+    by its samples: ({name: each step's seconds}, {name: each step's loss})."""
+    times = {name: [] for name in engines}
+    losses = {name: [] for name in engines}
+    for step in range(steps):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            loss = engine(x, y, recurrences, recurrences, list(range(step, step + x.shape[0]))).mean()
+            engine.backward(loss)
+            engine.step()
+            losses[name].append(loss.item())
+            times[name].append(time.perf_counter() - start)
+    return times, losses
+
+
 def saved_for_backward_bytes(engine, x, y, recurrences: int) -> int:
     """Bytes of the tensors one training forward of `engine` saves for its backward (each storage once, the
     parameters not counted): the activations, and under bf16-mixed the weights' bf16 casts the matmuls

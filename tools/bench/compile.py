@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
@@ -49,17 +48,8 @@ def main() -> None:
             engines[mode] = engine
         seq = cfg.max_sequence_length
         x, y = common.random_batch(args.batch, seq)
-        times = {mode: [] for mode in engines}
-        losses = {mode: [] for mode in engines}
         graphs_before = compiled_graphs()
-        for step in range(args.warmup + args.steps):
-            for mode, engine in engines.items():
-                start = time.perf_counter()
-                loss = engine(x, y, cfg.recurrences, cfg.recurrences, list(range(step, step + args.batch))).mean()
-                engine.backward(loss)
-                engine.step()
-                losses[mode].append(loss.item())
-                times[mode].append(time.perf_counter() - start)
+        times, losses = common.interleaved_steps(engines, cfg.recurrences, x, y, args.warmup + args.steps)
         medians = {mode: statistics.median(t[args.warmup:]) for mode, t in times.items()}
         saved = {mode: common.saved_for_backward_bytes(engine, x, y, cfg.recurrences)
                  for mode, engine in engines.items()}
