@@ -106,6 +106,14 @@ def set_tf32(enabled: bool) -> bool:
     return enabled
 
 
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast multiplies in on this device type (`train.precision=bf16-mixed`), or None where
+    autocast is off, or has no such device (`meta`, on which tests/test_device.py runs the model)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def cpu_has_fast_bf16_matmuls() -> bool:
     """Whether this CPU has AVX-512 (with or without its BF16 extension, or AMX), on which oneDNN runs bf16
     matmuls at speed. Without it (AVX2) torch takes a slow path: on a 2-core AVX2 EPYC (2026-12-06), a

@@ -45,6 +45,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch.utils.hooks import RemovableHandle
 
+from grt_megatron.device import autocast_dtype
 from grt_megatron.model.config import GRTConfig
 from grt_megatron.model.init import piece_rng
 from grt_megatron.model.layers import StepInputs, build_layer_stack, run_layers
@@ -199,11 +200,10 @@ class GatedRecurrentBlock(MegatronModule):
 
     def prelude_terms(self, h_pre: torch.Tensor) -> PreludeTerms:
         """The h_pre columns' products of W_in and W_1, and the state columns the steps multiply by."""
-        device = h_pre.device.type
-        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on meta
+        dtype = autocast_dtype(h_pre.device.type)
 
         def multiplied(weight):  # cast here, once, where autocast would cast it at every step
-            return weight.to(torch.get_autocast_dtype(device)) if autocast else weight
+            return weight if dtype is None else weight.to(dtype)
 
         injection_weight = injection = gate_weight = gate = None
         if self.injection is not None:

@@ -18,6 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from grt_megatron.device import autocast_dtype
 from grt_megatron.model.config import GRTConfig
 from grt_megatron.model.recurrent_block import GatedRecurrentBlock, GatedRecurrentBlockSubmodules
 
@@ -96,13 +97,13 @@ class _TorchAutogradWhenLocal:
         communicates = allreduce_dgrad or sequence_parallel
         if plain and (torch.compiler.is_compiling() or (not communicates and weight.requires_grad)):
             return _linear(input, weight, **kwargs)
-        device = input.device.type
-        if torch.is_autocast_enabled(device) and input.is_floating_point():
+        dtype = autocast_dtype(input.device.type)
+        if dtype is not None and input.is_floating_point():
             # Under autocast (`bf16-mixed`) megatron's Function gets the input autocast would multiply: with
             # SP it allocates the reduce-scatter's output in the input's dtype (fp32 after a norm) for a bf16
             # gradient, which gloo and NCCL refuse, so TP 2 + SP crashed in the first backward. The same
             # numbers (the product casts it anyway), and the all-gather and the saved input in half the bytes.
-            input = input.to(torch.get_autocast_dtype(device))
+            input = input.to(dtype)
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 from megatron.core import parallel_state, utils as megatron_utils
 
+from grt_megatron.device import autocast_dtype
 from grt_megatron.model.recurrent_block import GatedRecurrentBlock
 from grt_megatron.model.specs import ColumnLinear, RowLinear
 from grt_megatron.parallel.traceable_tp import register_traceable_tp
@@ -88,11 +89,9 @@ def apply_compile(model: torch.nn.Module, cast_weights_once: bool = True) -> int
 def _autocast_dtype(device: torch.device, linears: list) -> Optional[torch.dtype]:
     """The dtype autocast would cast the linears' weights to, or None where nothing is to hoist: no
     autocast, no local linears, or ZeRO 3 (whose weights are gathered only inside each linear's forward)."""
-    if not torch.is_autocast_enabled(device.type) or not linears:
+    if not linears or any(hasattr(linear.weight, "ds_id") for linear in linears):
         return None
-    if any(hasattr(linear.weight, "ds_id") for linear in linears):
-        return None
-    return torch.get_autocast_dtype(device.type)
+    return autocast_dtype(device.type)
 
 
 @contextmanager
