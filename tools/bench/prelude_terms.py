@@ -23,18 +23,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 from tools.bench import common  # noqa: E402
 
 from grt_megatron.distributed import init_distributed  # noqa: E402
-from grt_megatron.model import DepthDraw, GRTLanguageModel, train_flops_per_token  # noqa: E402
+from grt_megatron.model import DepthDraw, train_flops_per_token  # noqa: E402
+from grt_megatron.model.flops import _prelude_terms_flops  # noqa: E402
 from grt_megatron.parallel.compile import apply_compile  # noqa: E402
 
 MODES = ("eager_hoisted", "eager_concatenated", "compiled_hoisted", "compiled_concatenated")
 
 
 def concatenated_flops_per_token(cfg, seq: int) -> int:
-    """A training step's FLOPs per token when every step multiplies the whole concatenations: 4·d² a step
-    more than hoisted, less the 4·d² hoisted once (forward; ×3 with backward)."""
-    d, r = cfg.hidden_size, cfg.recurrences
-    extra = 2 * d * d * ((cfg.injection == "concat_project") + (cfg.gate == "mlp"))
-    return train_flops_per_token(cfg, seq, DepthDraw(r, r)) + 3 * (r - 1) * extra
+    """A training step's FLOPs per token when every step multiplies the whole concatenations: the h_pre
+    products hoisted once per forward run at every step instead (forward; ×3 with backward)."""
+    r = cfg.recurrences
+    return train_flops_per_token(cfg, seq, DepthDraw(r, r)) + 3 * (r - 1) * _prelude_terms_flops(cfg)
 
 
 def main() -> None:
@@ -55,7 +55,6 @@ def main() -> None:
             if mode.startswith("compiled"):
                 apply_compile(engine.module)
             engines[mode] = engine
-        assert isinstance(engines["eager_hoisted"].module, GRTLanguageModel)
         seq = cfg.max_sequence_length
         x, y = common.random_batch(args.batch, seq)
         times, losses = common.interleaved_steps(engines, cfg.recurrences, x, y, args.warmup + args.steps)
