@@ -38,6 +38,19 @@ from grt_megatron.console import quiet_known_warnings  # noqa: E402 (imports tor
 
 quiet_known_warnings()
 
+
+
+@pytest.fixture(autouse=True)
+def _functional_linear_restored(monkeypatch):
+    """`torch.nn.functional.linear` as it was before each test. Building a ZeRO 3 engine in this process
+    replaces it for good with DeepSpeed's memory-efficient linear ("this will persist unless manually
+    reset"), which casts under autocast at every call: a later test that counts autocast's casts then saw R
+    casts of each shared weight instead of one, and failed or passed by the workers' test order."""
+    import torch
+
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
+
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("GRT_SHARED_DATA", REPO.parent / "shared" / "data"))
 SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
