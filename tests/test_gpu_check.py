@@ -156,6 +156,45 @@ def test_memory_ops_name_the_tensor_and_who_moved_it():
     assert rows[("aten::add_", (5, 7))][1] == 1
 
 
+def test_memory_traffic_counts_what_each_op_reads_and_writes():
+    """tools/bench/memory_traffic.py's count: reads plus writes, an in-place operand both, a fill or a copy's
+    destination written only, so is an `out=`; a gather reads its rows, not its table, a scatter writes its rows; matmuls and views not at all; fused AdamW
+    reads weights, gradients and moments and writes weights and moments; each op charged to its caller."""
+    sys.path.insert(0, str(REPO))
+    from tools.bench.memory_traffic import CountBytes
+
+    a, b, table, rows = torch.ones(1000), torch.ones(1000), torch.ones(50, 10), torch.tensor([1, 2])
+    wide, narrow = torch.ones(64, 32), torch.ones(32, 16)
+    destination = torch.empty(1000, dtype=torch.bfloat16)
+    weights, gradients, exp_avg, exp_avg_sq = (torch.ones(100) for _ in range(4))
+    step, zeros = torch.ones(()), torch.zeros(2, 10)
+    cases = {"add": (lambda: a + b, 12000), "add_": (lambda: a.add_(b), 12000), "zero_": (lambda: a.zero_(), 4000),
+             "copy_": (lambda: destination.copy_(a), 6000), "to": (lambda: a.to(torch.bfloat16), 6000),
+             "embedding": (lambda: torch.nn.functional.embedding(rows, table), 80 + 16 + 80),
+             "exp out=": (lambda: torch.exp(a, out=b), 8000),
+             "scatter": (lambda: table.index_put_((rows,), zeros), 16 + 80 + 80),
+             "matmul": (lambda: wide @ narrow, 0), "view": (lambda: a.view(10, 100).t(), 0),
+             "fused_adamw": (lambda: torch._fused_adamw_([weights], [gradients], [exp_avg], [exp_avg_sq], [],
+                                                         [step], lr=1e-3, beta1=0.9, beta2=0.95,
+                                                         weight_decay=0.1, eps=1e-8, amsgrad=False,
+                                                         maximize=False), 4 * 400 + 3 * 400 + 4)}
+    for name, (op, want) in cases.items():
+        with CountBytes() as count:
+            op()
+        assert count.bytes == want, (name, count.bytes, want)
+
+    def blend():
+        return a * 2 + b  # mul: reads a, writes a temporary; add: reads it and b, writes the sum
+
+    x = torch.ones(100, requires_grad=True)
+    with CountBytes() as count:
+        blend()
+        (x * 3).sum().backward()
+    callers = dict(count.by_caller)
+    assert callers.pop(next(c for c in callers if c.endswith(": blend"))) == 8000 + 12000
+    assert any(caller.startswith("backward: MulBackward0") for caller in callers), callers
+
+
 def test_train_overrides_reach_the_cli_runs(tmp_path):
     ctx = gpu_check_runner.Context(mode=gpu_check_runner.mode_for(cuda=True, steps=None), work=tmp_path,
                                    clock=gpu_check_runner.Clock(100.0), env={})

@@ -1,0 +1,282 @@
+"""Bytes a training step moves through memory outside its matmuls and attention, at the GPU check's medium
+shape, for each precision and optimizer choice: which of them leaves the least memory-bound work to a GPU.
+Counted on this machine's CPU; bytes do not depend on the device (times do).
+
+    python tools/bench/memory_traffic.py [--model medium_grt_isoflops] [--seq 1024] [--batch 8]
+                                         [--accumulation 8] [--configs bf16,bf16-mixed+fused,...]
+
+Configs: `bf16` (DeepSpeed's BF16 optimizer over fp32 master weights, the paper recipe's default),
+`bf16-mixed` (fp32 weights, autocast, no master copy), each with `+fused` for `train.fused_adam=true`.
+
+Every aten op of a training step is intercepted (a TorchDispatchMode, eager mode: no `train.compile`, which
+fuses many of the elementwise passes counted here) and, unless it is a matmul, attention, a view, an
+allocation or a collective, counted as the bytes it reads plus the bytes it writes: its tensor arguments,
+those it writes in place once more (read and written), the outputs it makes; a gather (embedding, index)
+reads its output's worth of the table, not the whole table; a fill or a copy's destination is written, not
+read. Each op is charged to the Python frame that asked for it, or in the backward to its autograd node.
+
+A micro-batch (forward, backward, the engine's step between boundaries) is counted at two small batch sizes
+(`--count-batches`, 2 and 3), and the optimizer step's extra (gradient norm, clipping, AdamW, DeepSpeed's
+master-weight copies) once at the boundary: a step of `--accumulation` micro-batches of `--batch` sequences
+moves accumulation × (fixed + batch × per sequence) + boundary bytes, where fixed (weight casts, the shared
+core's gradient sums) and per sequence (activations, the loss) are solved from the two counts. Both counted
+batches must take the loss's path that `--batch` takes (one chunk of logits, or several: model/loss.py). The times
+are that many bytes at the H200's 4.8 TB/s: a floor, not a prediction. Prints a table and writes
+tools/bench/results/memory_traffic.json.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
+
+from tools.bench import common  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+from grt_megatron.distributed import init_distributed  # noqa: E402
+
+CONFIGS = {"bf16": ("bf16", False), "bf16+fused": ("bf16", True),
+           "bf16-mixed": ("bf16-mixed", False), "bf16-mixed+fused": ("bf16-mixed", True)}
+"""name: (train.precision, train.fused_adam)."""
+H200_BYTES_PER_S = 4.8e12
+"""The H200's HBM3e bandwidth (NVIDIA's figure); H100 SXM: 3.35e12."""
+COMPUTE_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
+               "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_forward",
+               "_flash_attention_backward"}
+"""Compute-bound: not counted (their operands are read once per tile, at the tensor cores' pace)."""
+WRITE_ONLY = {"zero_", "fill_", "normal_", "uniform_", "bernoulli_", "random_", "copy_", "index_fill_",
+              "masked_fill_", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "arange",
+              "scalar_tensor", "set_"}
+"""Ops whose written arguments are written, not read first (copy_ reads its source, counted as an argument).
+An `out=` argument is written only, whatever the op."""
+READ_ONLY_ARGUMENTS = {"_fused_adamw_": ("grads",), "_fused_adam_": ("grads",)}
+"""Arguments a schema marks written that the kernel only reads (fused AdamW writes its gradients back only
+with a gradient scale, which bf16 never has)."""
+NO_DATA_OPS = {"_unsafe_view", "_reshape_alias", "alias", "detach", "lift_fresh", "_local_scalar_dense"}
+"""Ops that move no data though their schemas do not say they alias (matmul's `_unsafe_view` of its product)."""
+GATHERS = {"embedding": "weight", "index": "self", "index_select": "self", "gather": "self"}
+"""op: the argument it gathers from; it reads as many bytes of it as it writes, not the whole tensor."""
+SCATTERS = {"index_put_": "values", "_index_put_impl_": "values", "index_put": "values"}
+"""op: the argument whose bytes it writes into its `self` (`x[rows, columns] -= y`), not the whole `self`."""
+VOCAB = 50257
+"""The GPU check's vocabulary (GPT-2's)."""
+
+
+def _nbytes(value) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def op_bytes(func, args, kwargs, out) -> int | None:
+    """Bytes op `func` read and wrote; None where it is not counted (compute, view, allocation, collective)."""
+    name = func.overloadpacket.__name__
+    schema = func._schema
+    if (name in COMPUTE_OPS or name in NO_DATA_OPS or name.startswith("empty")
+            or func.namespace not in ("aten", "prims")
+            or any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)):
+        return None
+    values = {a.name: args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)}
+    write_only = name.removeprefix("_foreach_") in WRITE_ONLY
+    out_bytes = sum(_nbytes(t) for t in tree_leaves(out))
+    total, written = 0, set()
+    for argument in schema.arguments:
+        is_write = (argument.alias_info is not None and argument.alias_info.is_write
+                    and argument.name not in READ_ONLY_ARGUMENTS.get(name, ()))
+        for tensor in tree_leaves(values[argument.name]):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            n = _nbytes(tensor)
+            if GATHERS.get(name) == argument.name:
+                n = out_bytes
+            scattered = name in SCATTERS and argument.name == "self"
+            if scattered:  # its rows written, read first only to accumulate
+                n = _nbytes(values[SCATTERS[name]])
+            if is_write:
+                written.add(tensor.untyped_storage().data_ptr())
+                read_too = not (write_only or argument.kwarg_only or (scattered and not values.get("accumulate")))
+                total += 2 * n if read_too else n  # kwarg-only: `out=`
+            else:
+                total += n
+    for tensor in tree_leaves(out):
+        if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in written:
+            total += _nbytes(tensor)
+    return total
+
+
+def _caller() -> str:
+    """The autograd node running (in a backward), else the nearest frame outside torch."""
+    node = torch._C._current_autograd_node()
+    if node is not None:
+        return f"backward: {node.name()}"
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" not in path or "/torch/optim/" in path:
+            short = path.split("site-packages/")[-1].replace(str(common.REPO) + "/", "")
+            return f"{short}: {frame.name}"
+    return "?"
+
+
+class CountBytes(TorchDispatchMode):
+    """Counts `op_bytes` of every op run inside it, by caller: `bytes`, `ops`, `by_caller`."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.ops = 0, 0
+        self.by_caller: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        n = op_bytes(func, args, kwargs, out)
+        if n:
+            self.bytes += n
+            self.ops += 1
+            self.by_caller[_caller()] += n
+        return out
+
+
+def build(model: str, config: str, batch: int, seq: int):
+    """(run config, model config, engine, step guard, whether the step runner clips) of `model` in `config` as
+    grt-train builds them, at the GPU check's vocabulary, two micro-batches a step (so that one between
+    boundaries can be counted apart from the optimizer step)."""
+    from grt_megatron.model import GRTLanguageModel
+    from grt_megatron.parallel.deepspeed_engine import build_engine, clips_outside_deepspeed
+    from grt_megatron.parallel.mixed_precision import apply_mixed_precision
+    from grt_megatron.training.step_guard import install_step_guard
+
+    precision, fused = CONFIGS[config]
+    run = common.run_config(model, batch, precision, f"model.max_sequence_length={seq}",
+                            f"train.fused_adam={str(fused).lower()}", accumulation=2)
+    model_cfg = run.model_config(VOCAB)
+    module = GRTLanguageModel(model_cfg, init_seed=0)
+    apply_mixed_precision(module, precision, torch.device("cpu"))
+    clips_here = clips_outside_deepspeed(run)
+    engine = build_engine(module, run, dp_size=1, clip_in_deepspeed=not clips_here)
+    guard = install_step_guard(engine) if clips_here else None
+    return run, model_cfg, engine, guard, clips_here
+
+
+def count_step(model: str, config: str, batch: int, seq: int) -> dict:
+    """`CountBytes` of one micro-batch between boundaries and of one at the boundary (with the optimizer step),
+    after one uncounted step (DeepSpeed and AdamW make their state in the first)."""
+    from grt_megatron.training.step_guard import clip_grad_norm
+
+    run, model_cfg, engine, guard, clips_here = build(model, config, batch, seq)
+    tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    r = model_cfg.recurrences
+
+    def micro_batch():
+        loss = engine(x, y, r, r, list(range(batch))).mean()
+        engine.backward(loss)
+        if clips_here and engine.is_gradient_accumulation_boundary():
+            guard.use_grad_norm(float(clip_grad_norm(engine.module.parameters(), run.train.grad_clip or math.inf)))
+        engine.step()
+
+    for _ in range(2):  # one optimizer step: the moments and DeepSpeed's buffers exist from here on
+        micro_batch()
+    counts = []
+    for _ in range(2):
+        with CountBytes() as count:
+            micro_batch()
+        counts.append(count)
+    assert engine.global_steps == 2, engine.global_steps  # the second counted micro-batch was the boundary
+    between, boundary = counts
+    return {"micro_batch": between, "boundary": boundary}
+
+
+def is_loss(caller: str) -> bool:
+    """Whether `caller` is the language-model loss: model/loss.py, or megatron's cross-entropy (one chunk)."""
+    return "model/loss.py" in caller or "CrossEntropy" in caller or "cross_entropy.py" in caller
+
+
+def check_loss_path(model: str, seq: int, batches: tuple[int, ...]) -> None:
+    """Refuse batch sizes whose logits take different paths through the loss (one chunk, or several), between
+    which the bytes are not linear in the batch."""
+    from grt_megatron.model.loss import CHUNK_BYTES
+
+    model_cfg = common.run_config(model, 1, "bf16").model_config(VOCAB)
+    one_chunk = {b: b * seq * model_cfg.padded_vocab_size * 4 <= CHUNK_BYTES for b in batches}
+    if len(set(one_chunk.values())) > 1:
+        raise SystemExit(f"--count-batches and --batch: at sequence {seq} the logits of batches "
+                         f"{[b for b, one in one_chunk.items() if one]} fit the loss's one chunk and those of "
+                         f"{[b for b, one in one_chunk.items() if not one]} do not; count batches on the same side")
+
+
+def main() -> None:
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--model", default="medium_grt_isoflops")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8, help="micro-batch size the step is projected to")
+    parser.add_argument("--accumulation", type=int, default=8, help="micro-batches an optimizer step")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--count-batches", default="2,3", help="the two micro-batch sizes counted")
+    parser.add_argument("--rows", type=int, default=10, help="callers listed per config")
+    args = common.parse_args(parser, "memory_traffic")
+    low, high = (int(b) for b in args.count_batches.split(","))
+    check_loss_path(args.model, args.seq, (low, high, args.batch))
+    torch.manual_seed(0)
+    init_distributed(seed=0)
+    results = []
+    for config in args.configs.split(","):
+        if config not in CONFIGS:
+            raise SystemExit(f"--configs: {config!r} is not one of {', '.join(CONFIGS)}")
+        start = time.perf_counter()
+        counted = {b: count_step(args.model, config, b, args.seq) for b in (low, high)}
+        small, large = counted[low]["micro_batch"], counted[high]["micro_batch"]
+        per_sequence = (large.bytes - small.bytes) / (high - low)
+        fixed = small.bytes - low * per_sequence
+        boundary = counted[low]["boundary"].bytes - small.bytes  # the optimizer step's extra, batch-independent
+        boundary_check = counted[high]["boundary"].bytes - large.bytes
+        micro = fixed + args.batch * per_sequence
+        step = args.accumulation * micro + boundary
+        callers = collections.Counter()
+        # Each caller's bytes at --batch, extrapolated linearly from the two counts as the totals are.
+        for b, weight in ((low, (high - args.batch) / (high - low)), (high, (args.batch - low) / (high - low))):
+            for caller, n in counted[b]["micro_batch"].by_caller.items():
+                callers[caller] += weight * n * args.accumulation
+            for caller, n in counted[b]["boundary"].by_caller.items():
+                callers[caller] += weight * (n - counted[b]["micro_batch"].by_caller.get(caller, 0))
+        row = {"config": config, "precision": CONFIGS[config][0], "fused_adam": CONFIGS[config][1],
+               "micro_batch_fixed_bytes": fixed, "per_sequence_bytes": per_sequence,
+               "boundary_bytes": boundary, "boundary_bytes_at_the_larger_count": boundary_check,
+               "micro_batch_bytes": micro, "step_bytes": step,
+               "step_ms_at_h200_bandwidth": 1e3 * step / H200_BYTES_PER_S,
+               "ops_per_micro_batch": {str(low): small.ops, str(high): large.ops},
+               "loss_share": sum(n for caller, n in callers.items() if is_loss(caller)) / step,
+               "top_callers": [[caller, n] for caller, n in callers.most_common(args.rows)],
+               "seconds_to_count": time.perf_counter() - start}
+        results.append(row)
+        print(f"\n{config}: {args.model}, seq {args.seq}; a step of {args.accumulation} × {args.batch} sequences "
+              f"moves {step / 1e9:.1f} GB ({row['step_ms_at_h200_bandwidth']:.1f} ms at 4.8 TB/s)")
+        print(f"  a micro-batch: {fixed / 1e9:.2f} GB fixed + {per_sequence / 1e9:.3f} GB a sequence; "
+              f"the optimizer step: {boundary / 1e9:.2f} GB (at batch {high}: {boundary_check / 1e9:.2f})")
+        print(f"  the loss (model/loss.py, megatron's cross-entropy): {100 * row['loss_share']:.0f}% of the bytes")
+        for caller, n in row["top_callers"]:
+            print(f"  {n / 1e9:9.2f} GB  {caller}")
+    by_name = {row["config"]: row for row in results}
+    ratios = {f"{name.replace('-', '_').replace('+', '_')}_over_bf16_step_bytes": row["step_bytes"] / by_name["bf16"]["step_bytes"]
+              for name, row in by_name.items() if name != "bf16" and "bf16" in by_name}
+    for name, value in ratios.items():
+        print(f"  {name}: {value:.3f}")
+    out = common.write_result(args.output, {**common.stamp("memory_traffic", with_torch=True), "model": args.model,
+                                            "seq_length": args.seq, "batch": args.batch,
+                                            "accumulation": args.accumulation, "vocab": VOCAB,
+                                            "bandwidth_bytes_per_s": H200_BYTES_PER_S, **ratios,
+                                            "results": results})
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
