@@ -157,9 +157,10 @@ def test_memory_ops_name_the_tensor_and_who_moved_it():
 
 
 def test_memory_traffic_counts_what_each_op_reads_and_writes():
-    """tools/bench/memory_traffic.py's count: reads plus writes, an in-place operand both, a fill or a copy's
-    destination written only, so is an `out=`; a gather reads its rows, not its table, a scatter writes its rows; matmuls and views not at all; fused AdamW
-    reads weights, gradients and moments and writes weights and moments; each op charged to its caller."""
+    """tools/bench/memory_traffic.py's count: reads plus writes, an in-place operand both; a fill, a copy's
+    destination and an `out=` written only; a gather reads its rows, not its table, a scatter writes its rows;
+    matmuls and views not at all; fused AdamW reads weights, gradients and moments and writes weights and
+    moments; each op charged to its caller."""
     sys.path.insert(0, str(REPO))
     from tools.bench.memory_traffic import CountBytes
 

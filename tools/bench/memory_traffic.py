@@ -12,16 +12,18 @@ Every aten op of a training step is intercepted (a TorchDispatchMode, eager mode
 fuses many of the elementwise passes counted here) and, unless it is a matmul, attention, a view, an
 allocation or a collective, counted as the bytes it reads plus the bytes it writes: its tensor arguments,
 those it writes in place once more (read and written), the outputs it makes; a gather (embedding, index)
-reads its output's worth of the table, not the whole table; a fill or a copy's destination is written, not
-read. Each op is charged to the Python frame that asked for it, or in the backward to its autograd node.
+reads its output's worth of the table, not the whole table, and a scatter writes its rows; a fill, a copy's
+destination and an `out=` are written, not read. Each op is charged to the Python frame that asked for it,
+or in the backward to its autograd node; `loss_share` is the loss's part (model/loss.py, megatron's
+cross-entropy).
 
 A micro-batch (forward, backward, the engine's step between boundaries) is counted at two small batch sizes
 (`--count-batches`, 2 and 3), and the optimizer step's extra (gradient norm, clipping, AdamW, DeepSpeed's
 master-weight copies) once at the boundary: a step of `--accumulation` micro-batches of `--batch` sequences
 moves accumulation × (fixed + batch × per sequence) + boundary bytes, where fixed (weight casts, the shared
 core's gradient sums) and per sequence (activations, the loss) are solved from the two counts. Both counted
-batches must take the loss's path that `--batch` takes (one chunk of logits, or several: model/loss.py). The times
-are that many bytes at the H200's 4.8 TB/s: a floor, not a prediction. Prints a table and writes
+batches must take the loss's path that `--batch` takes (one chunk of logits, or several: model/loss.py).
+The times are that many bytes at the H200's 4.8 TB/s: a floor, not a prediction. Prints a table and writes
 tools/bench/results/memory_traffic.json.
 """
 
@@ -266,7 +268,8 @@ def main() -> None:
         for caller, n in row["top_callers"]:
             print(f"  {n / 1e9:9.2f} GB  {caller}")
     by_name = {row["config"]: row for row in results}
-    ratios = {f"{name.replace('-', '_').replace('+', '_')}_over_bf16_step_bytes": row["step_bytes"] / by_name["bf16"]["step_bytes"]
+    ratios = {f"{name.replace('-', '_').replace('+', '_')}_over_bf16_step_bytes":
+              row["step_bytes"] / by_name["bf16"]["step_bytes"]
               for name, row in by_name.items() if name != "bf16" and "bf16" in by_name}
     for name, value in ratios.items():
         print(f"  {name}: {value:.3f}")
