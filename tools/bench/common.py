@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from grt_megatron.console import quiet_known_warnings
@@ -120,6 +121,36 @@ def interleaved_steps(engines: dict, recurrences: int, x, y, steps: int) -> tupl
             losses[name].append(loss.item())
             times[name].append(time.perf_counter() - start)
     return times, losses
+
+
+@dataclass
+class EngineRuns:
+    """What `compare_step_engines` measured: the model config, and per mode each step's seconds and loss,
+    the median step time after warm-up and the bytes one forward saves for backward."""
+    cfg: object
+    times: dict
+    losses: dict
+    medians: dict
+    saved: dict
+
+
+def compare_step_engines(recipe: str, batch: int, width: int | None, precision: str, modes, prepare,
+                         warmup: int, steps: int) -> EngineRuns:
+    """One engine per mode of `modes` (`cpu_step_engine`, the same weights; `prepare(mode, engine)` makes it
+    that mode: compiled, another code path), their steps interleaved on the same batch (`interleaved_steps`,
+    `warmup` + `steps` of them)."""
+    import statistics
+
+    engines = {}
+    for mode in modes:
+        _, cfg, engine = cpu_step_engine(recipe, batch, seed=0, width=width, precision=precision)
+        prepare(mode, engine)
+        engines[mode] = engine
+    x, y = random_batch(batch, cfg.max_sequence_length)
+    times, losses = interleaved_steps(engines, cfg.recurrences, x, y, warmup + steps)
+    return EngineRuns(cfg, times, losses, {mode: statistics.median(t[warmup:]) for mode, t in times.items()},
+                      {mode: saved_for_backward_bytes(engine, x, y, cfg.recurrences)
+                       for mode, engine in engines.items()})
 
 
 def saved_for_backward_bytes(engine, x, y, recurrences: int) -> int:

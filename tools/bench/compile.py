@@ -14,7 +14,6 @@ Target: compiled no slower than eager. Prints a table and writes tools/bench/res
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,13 @@ from tools.bench import common  # noqa: E402
 
 from grt_megatron.distributed import init_distributed  # noqa: E402
 from grt_megatron.parallel.compile import apply_compile, compiled_graphs  # noqa: E402
+
+
+def prepare(mode: str, engine) -> None:
+    """Make `engine` run as `mode`: eager as built, compiled with the step's weights cast once per forward
+    or (`compiled_casts_in_graph`) inside the step's graph."""
+    if mode != "eager":
+        apply_compile(engine.module, cast_weights_once=mode == "compiled")
 
 
 def main() -> None:
@@ -39,20 +45,11 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         recipe, width = common.CPU_SHAPES[shape]
-        engines = {}
-        for mode in modes:
-            run, cfg, engine = common.cpu_step_engine(recipe, args.batch, seed=0, width=width,
-                                                      precision=args.precision)
-            if mode != "eager":
-                apply_compile(engine.module, cast_weights_once=mode == "compiled")
-            engines[mode] = engine
-        seq = cfg.max_sequence_length
-        x, y = common.random_batch(args.batch, seq)
         graphs_before = compiled_graphs()
-        times, losses = common.interleaved_steps(engines, cfg.recurrences, x, y, args.warmup + args.steps)
-        medians = {mode: statistics.median(t[args.warmup:]) for mode, t in times.items()}
-        saved = {mode: common.saved_for_backward_bytes(engine, x, y, cfg.recurrences)
-                 for mode, engine in engines.items()}
+        runs = common.compare_step_engines(recipe, args.batch, width, args.precision, modes, prepare,
+                                           args.warmup, args.steps)
+        cfg, times, losses, medians, saved = runs.cfg, runs.times, runs.losses, runs.medians, runs.saved
+        seq = cfg.max_sequence_length
         row = {"shape": shape, "model": cfg.shape_name, "hidden_size": cfg.hidden_size, "batch": args.batch,
                "seq_length": seq, "median_step_s": medians, "first_step_s": {m: t[0] for m, t in times.items()},
                "compiled_graphs": compiled_graphs() - graphs_before, "saved_for_backward_bytes": saved,

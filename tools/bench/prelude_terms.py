@@ -14,7 +14,6 @@ ratios, and the losses' largest relative difference. Writes tools/bench/results/
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -37,6 +36,14 @@ def concatenated_flops_per_token(cfg, seq: int) -> int:
     return train_flops_per_token(cfg, seq, DepthDraw(r, r)) + 3 * (r - 1) * _prelude_terms_flops(cfg)
 
 
+def prepare(mode: str, engine) -> None:
+    """Make `engine` run as `mode`: hoisted (the default) or concatenated, eager or compiled."""
+    if mode.endswith("concatenated"):
+        engine.module.block.hoists_prelude_terms = lambda: False  # the ZeRO 3 path
+    if mode.startswith("compiled"):
+        apply_compile(engine.module)
+
+
 def main() -> None:
     parser = common.argument_parser(__doc__)
     common.add_step_arguments(parser)
@@ -46,21 +53,10 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         recipe, width = common.CPU_SHAPES[shape]
-        engines = {}
-        for mode in MODES:
-            run, cfg, engine = common.cpu_step_engine(recipe, args.batch, seed=0, width=width,
-                                                      precision=args.precision)
-            if mode.endswith("concatenated"):
-                engine.module.block.hoists_prelude_terms = lambda: False  # the ZeRO 3 path
-            if mode.startswith("compiled"):
-                apply_compile(engine.module)
-            engines[mode] = engine
+        runs = common.compare_step_engines(recipe, args.batch, width, args.precision, MODES, prepare,
+                                           args.warmup, args.steps)
+        cfg, losses, medians, saved = runs.cfg, runs.losses, runs.medians, runs.saved
         seq = cfg.max_sequence_length
-        x, y = common.random_batch(args.batch, seq)
-        times, losses = common.interleaved_steps(engines, cfg.recurrences, x, y, args.warmup + args.steps)
-        medians = {mode: statistics.median(t[args.warmup:]) for mode, t in times.items()}
-        saved = {mode: common.saved_for_backward_bytes(engine, x, y, cfg.recurrences)
-                 for mode, engine in engines.items()}
         hoisted_flops = train_flops_per_token(cfg, seq, DepthDraw(cfg.recurrences, cfg.recurrences))
         row = {"shape": shape, "model": cfg.shape_name, "hidden_size": cfg.hidden_size, "batch": args.batch,
                "seq_length": seq, "precision": args.precision, "median_step_s": medians,
