@@ -97,7 +97,8 @@ def test_flops_count_the_products_that_run(world, variant, overrides):
     draw = DepthDraw(4, 2) if variant == "truncated" else DepthDraw(cfg.recurrences, cfg.recurrences)
     x = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
-        model(x[:, :-1], x[:, 1:], recurrences=draw.recurrences, grad_recurrences=draw.grad_recurrences).mean().backward()
+        loss = model(x[:, :-1], x[:, 1:], recurrences=draw.recurrences, grad_recurrences=draw.grad_recurrences)
+        loss.mean().backward()
     assert set(counter.get_flop_counts()["Global"]) <= {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}
     layer_runs = cfg.prelude_layers + cfg.coda_layers + cfg.core_layers * draw.recurrences
     grad_layer_runs = layer_runs - cfg.core_layers * draw.no_grad_recurrences
