@@ -17,11 +17,14 @@ destination and an `out=` are written, not read. Each op is charged to the Pytho
 or in the backward to its autograd node; `loss_share` is the loss's part (model/loss.py, megatron's
 cross-entropy).
 
-A micro-batch (forward, backward, the engine's step between boundaries) is counted at two small batch sizes
-(`--count-batches`, 2 and 3), and the optimizer step's extra (gradient norm, clipping, AdamW, DeepSpeed's
-master-weight copies) once at the boundary: a step of `--accumulation` micro-batches of `--batch` sequences
-moves accumulation × (fixed + batch × per sequence) + boundary bytes, where fixed (weight casts, the shared
-core's gradient sums) and per sequence (activations, the loss) are solved from the two counts. Both counted
+The steps are grt-train's own (`parallelize` and the step runner's `train_step`, with its loss, non-finite
+guard and clipping). A step of two micro-batches and one of one are counted: a micro-batch after the first
+(forward, backward, its gradients added to the step's) is their difference, and the rest of a step (the first
+micro-batch's difference from the others, gradient norm, clipping, AdamW, DeepSpeed's master-weight copies)
+what the step of one adds to it; both at two small batch sizes (`--count-batches`, 2 and 3). A step of
+`--accumulation` micro-batches of `--batch` sequences then moves accumulation × (fixed + batch × per
+sequence) + boundary bytes, where fixed (weight casts, the shared core's gradient sums, the gradients'
+accumulation) and per sequence (activations, the loss) are solved from the two batch sizes. Both counted
 batches must take the loss's path that `--batch` takes (one chunk of logits, or several: model/loss.py).
 The times are that many bytes at the H200's 4.8 TB/s: a floor, not a prediction. Prints a table and writes
 tools/bench/results/memory_traffic.json.
@@ -30,11 +33,12 @@ tools/bench/results/memory_traffic.json.
 from __future__ import annotations
 
 import collections
-import math
+import gc
 import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
@@ -148,54 +152,38 @@ class CountBytes(TorchDispatchMode):
         return out
 
 
-def build(model: str, config: str, batch: int, seq: int):
-    """(run config, model config, engine, step guard, whether the step runner clips) of `model` in `config` as
-    grt-train builds them, at the GPU check's vocabulary, two micro-batches a step (so that one between
-    boundaries can be counted apart from the optimizer step)."""
-    from grt_megatron.model import GRTLanguageModel
-    from grt_megatron.parallel.deepspeed_engine import build_engine, clips_outside_deepspeed
-    from grt_megatron.parallel.mixed_precision import apply_mixed_precision
-    from grt_megatron.training.step_guard import install_step_guard
+def _minus(a: CountBytes, b: CountBytes) -> SimpleNamespace:
+    """What `a` counted beyond `b`: bytes, ops and bytes by caller."""
+    by_caller = collections.Counter(a.by_caller)
+    by_caller.subtract(b.by_caller)
+    return SimpleNamespace(bytes=a.bytes - b.bytes, ops=a.ops - b.ops, by_caller=by_caller)
+
+
+def count_step(model: str, config: str, batch: int, seq: int, info) -> dict:
+    """The bytes of a micro-batch of `batch` sequences after a step's first (`micro_batch`) and of a whole
+    step of one micro-batch (`step_of_one`: with the optimizer step), through grt-train's own step
+    (`parallelize` and the step runner's `train_step`, as tools/bench/overhead.py runs it) at the GPU
+    check's vocabulary. A step of 2 micro-batches and one of 1 are counted, each after an uncounted step
+    (DeepSpeed and AdamW make their state in the first): a later micro-batch is their difference."""
+    from grt_megatron.model import DepthDraw
+    from tools.bench.overhead import framework_runner
 
     precision, fused = CONFIGS[config]
-    run = common.run_config(model, batch, precision, f"model.max_sequence_length={seq}",
-                            f"train.fused_adam={str(fused).lower()}", accumulation=2)
-    model_cfg = run.model_config(VOCAB)
-    module = GRTLanguageModel(model_cfg, init_seed=0)
-    apply_mixed_precision(module, precision, torch.device("cpu"))
-    clips_here = clips_outside_deepspeed(run)
-    engine = build_engine(module, run, dp_size=1, clip_in_deepspeed=not clips_here)
-    guard = install_step_guard(engine) if clips_here else None
-    return run, model_cfg, engine, guard, clips_here
-
-
-def count_step(model: str, config: str, batch: int, seq: int) -> dict:
-    """`CountBytes` of one micro-batch between boundaries and of one at the boundary (with the optimizer step),
-    after one uncounted step (DeepSpeed and AdamW make their state in the first)."""
-    from grt_megatron.training.step_guard import clip_grad_norm
-
-    run, model_cfg, engine, guard, clips_here = build(model, config, batch, seq)
-    tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    r = model_cfg.recurrences
-
-    def micro_batch():
-        loss = engine(x, y, r, r, list(range(batch))).mean()
-        engine.backward(loss)
-        if clips_here and engine.is_gradient_accumulation_boundary():
-            guard.use_grad_norm(float(clip_grad_norm(engine.module.parameters(), run.train.grad_clip or math.inf)))
-        engine.step()
-
-    for _ in range(2):  # one optimizer step: the moments and DeepSpeed's buffers exist from here on
-        micro_batch()
-    counts = []
-    for _ in range(2):
-        with CountBytes() as count:
-            micro_batch()
-        counts.append(count)
-    assert engine.global_steps == 2, engine.global_steps  # the second counted micro-batch was the boundary
-    between, boundary = counts
-    return {"micro_batch": between, "boundary": boundary}
+    rows = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for accumulation in (1, 2):
+        run = common.run_config(model, batch, precision, f"model.max_sequence_length={seq}",
+                                f"train.fused_adam={str(fused).lower()}", accumulation=accumulation)
+        model_cfg = run.model_config(VOCAB)
+        _, runner = framework_runner(run, model_cfg, info)
+        step_rows, seeds = rows.repeat(accumulation, 1), list(range(accumulation * batch))
+        draw = DepthDraw(model_cfg.recurrences, model_cfg.recurrences)
+        runner.train_step(step_rows, seeds, draw, 0)
+        with CountBytes() as counts[accumulation]:
+            runner.train_step(step_rows, seeds, draw, 1)
+        del runner
+        gc.collect()  # the engine sits in reference cycles; left to the collector, 24 GiB ran out
+    return {"micro_batch": _minus(counts[2], counts[1]), "step_of_one": counts[1]}
 
 
 def is_loss(caller: str) -> bool:
@@ -229,18 +217,19 @@ def main() -> None:
     low, high = (int(b) for b in args.count_batches.split(","))
     check_loss_path(args.model, args.seq, (low, high, args.batch))
     torch.manual_seed(0)
-    init_distributed(seed=0)
+    info = init_distributed(seed=0)
     results = []
     for config in args.configs.split(","):
         if config not in CONFIGS:
             raise SystemExit(f"--configs: {config!r} is not one of {', '.join(CONFIGS)}")
         start = time.perf_counter()
-        counted = {b: count_step(args.model, config, b, args.seq) for b in (low, high)}
+        counted = {b: count_step(args.model, config, b, args.seq, info) for b in (low, high)}
         small, large = counted[low]["micro_batch"], counted[high]["micro_batch"]
         per_sequence = (large.bytes - small.bytes) / (high - low)
         fixed = small.bytes - low * per_sequence
-        boundary = counted[low]["boundary"].bytes - small.bytes  # the optimizer step's extra, batch-independent
-        boundary_check = counted[high]["boundary"].bytes - large.bytes
+        # The rest of a step (the optimizer step, the first micro-batch's extra): the same at any batch.
+        boundary = counted[low]["step_of_one"].bytes - small.bytes
+        boundary_check = counted[high]["step_of_one"].bytes - large.bytes
         micro = fixed + args.batch * per_sequence
         step = args.accumulation * micro + boundary
         callers = collections.Counter()
@@ -248,7 +237,7 @@ def main() -> None:
         for b, weight in ((low, (high - args.batch) / (high - low)), (high, (args.batch - low) / (high - low))):
             for caller, n in counted[b]["micro_batch"].by_caller.items():
                 callers[caller] += weight * n * args.accumulation
-            for caller, n in counted[b]["boundary"].by_caller.items():
+            for caller, n in counted[b]["step_of_one"].by_caller.items():
                 callers[caller] += weight * (n - counted[b]["micro_batch"].by_caller.get(caller, 0))
         row = {"config": config, "precision": CONFIGS[config][0], "fused_adam": CONFIGS[config][1],
                "micro_batch_fixed_bytes": fixed, "per_sequence_bytes": per_sequence,
@@ -263,7 +252,7 @@ def main() -> None:
         print(f"\n{config}: {args.model}, seq {args.seq}; a step of {args.accumulation} × {args.batch} sequences "
               f"moves {step / 1e9:.1f} GB ({row['step_ms_at_h200_bandwidth']:.1f} ms at 4.8 TB/s)")
         print(f"  a micro-batch: {fixed / 1e9:.2f} GB fixed + {per_sequence / 1e9:.3f} GB a sequence; "
-              f"the optimizer step: {boundary / 1e9:.2f} GB (at batch {high}: {boundary_check / 1e9:.2f})")
+              f"the rest of a step: {boundary / 1e9:.2f} GB (at batch {high}: {boundary_check / 1e9:.2f})")
         print(f"  the loss (model/loss.py, megatron's cross-entropy): {100 * row['loss_share']:.0f}% of the bytes")
         for caller, n in row["top_callers"]:
             print(f"  {n / 1e9:9.2f} GB  {caller}")
