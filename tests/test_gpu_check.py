@@ -196,6 +196,58 @@ def test_memory_traffic_counts_what_each_op_reads_and_writes():
     assert any(caller.startswith("backward: MulBackward0") for caller in callers), callers
 
 
+def test_memory_traffic_counts_compiled_kernels_as_inductor_lowers_them(world):
+    """memory_traffic.py --compile: each run of a compiled graph adds what its fused kernels load and store,
+    forward to the frame that ran it, backward to the same frame; an in-place add into an input is read and
+    written, a store into an input written only. The loss's compiled backward stores each chunk's gradient
+    into the logits' gradient: 2 bytes a bf16 logit read, 2 written, and the rows' few numbers."""
+    sys.path.insert(0, str(REPO))
+    from grt_megatron.model.loss import chunked_vocab_parallel_cross_entropy
+    from tools.bench.memory_traffic import CountBytes, InductorBytes
+
+    def blend(a, b):
+        return torch.sigmoid(a) * 2 + b
+
+    def add_into(x, y):
+        x.add_(y)
+
+    def store_into(x, y):
+        x.copy_(y * 2)
+
+    a, b = torch.ones(1000, requires_grad=True), torch.ones(1000)
+    s, batch, v, rows = 8, 3, 200, 10  # 24 rows: chunks of 10, 10 and 4
+    logits = torch.randn(s, batch, v, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, v, (s, batch))
+    with InductorBytes() as inductor:
+        compiled = {f: torch.compile(f, dynamic=False) for f in (blend, add_into, store_into)}
+
+        def run():
+            compiled[blend](a, b).sum().backward()
+            compiled[add_into](torch.ones(1000), b)
+            compiled[store_into](torch.ones(1000), b)
+            chunked_vocab_parallel_cross_entropy(logits, target, chunk_bytes=4 * v * rows, fused=True).sum().backward()
+
+        run()  # compiles
+        lowered = inductor.lowered
+        with CountBytes() as count:
+            run()
+    assert inductor.lowered == lowered
+    callers = {caller: n for caller, n in count.by_caller.items() if caller.startswith("compiled")}
+    # forward: a and b read, the sum written (sigmoid(a) recomputed in backward, nothing saved);
+    # backward: the incoming gradient and a read, a's gradient written
+    for kind in ("compiled: ", "compiled backward: "):
+        assert callers.pop(next(c for c in callers if c.startswith(kind) and c.endswith(": blend"))) == 12000
+    assert callers.pop(next(c for c in callers if c.endswith(": add_into"))) == 12000
+    assert callers.pop(next(c for c in callers if c.endswith(": store_into"))) == 8000
+    backward = callers.pop(next(c for c in callers if "CrossEntropyBackward" in c))
+    n = s * batch
+    assert backward == 2 * 2 * n * v + n * (4 + 4 + 8 + 4 + 4), backward  # row max, sum, target, hit, gradient
+    assert all("loss.py" in c for c in callers), callers  # left: the loss's forward sums
+    # and no logits-sized pass outside the kernel (a returned chunk copied into the gradient: 4 bytes a logit)
+    eager = sum(n for c, n in count.by_caller.items() if c == "backward: _ChunkedVocabParallelCrossEntropyBackward")
+    assert eager < n * v, eager
+
+
 def test_train_overrides_reach_the_cli_runs(tmp_path):
     ctx = gpu_check_runner.Context(mode=gpu_check_runner.mode_for(cuda=True, steps=None), work=tmp_path,
                                    clock=gpu_check_runner.Clock(100.0), env={})

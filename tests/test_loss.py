@@ -66,7 +66,8 @@ def test_fused_chunks_equal_the_eager_loss(world, dtype):
     within fp32 rounding (inductor's exp rounds its own way), the gradients within one unit of the
     logits' dtype, over full chunks and a shorter last one. (Their memory is not measured here: under a
     dispatch mode such as LiveBytes, compiled code runs op by op. Inductor makes each chunk expression
-    one kernel, its outputs the only buffers: the sums of each row, and the chunk's gradient.)"""
+    one kernel, its outputs the only buffers: the sums of each row, and the chunk's gradient, stored into
+    the logits' gradient: tests/test_gpu_check.py counts its bytes.)"""
     s, b, v, rows = 16, 3, 300, 20  # 48 rows: chunks of 20, 20 and 8
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(s, b, v, generator=g) * 3).to(dtype)

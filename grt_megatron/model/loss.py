@@ -51,6 +51,14 @@ def _chunk_grad(chunk: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tenso
     return ((softmax - one_hot) * grad_loss.unsqueeze(-1)).to(chunk.dtype)
 
 
+def _chunk_grad_into(grad: torch.Tensor, chunk: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor,
+                     local_target: torch.Tensor, hit: torch.Tensor, grad_loss: torch.Tensor) -> None:
+    """`_chunk_grad` stored into `grad`, the chunk's rows of the logits' gradient. Compiled, the one pass
+    stores where the gradient belongs, where a returned chunk would be written and then copied there: with bf16
+    logits 4 bytes a logit instead of 8 (tools/bench/memory_traffic.py --compile)."""
+    grad.copy_(_chunk_grad(chunk, row_max, sum_exp, local_target, hit, grad_loss))
+
+
 def _chunk_sums_in_place(chunk: torch.Tensor, row_max: torch.Tensor, local_target: torch.Tensor):
     """`_chunk_sums` in eager, with one fp32 workspace worked on in place (megatron's arithmetic, bit for bit)."""
     shifted = _fp32_copy(chunk)
@@ -64,7 +72,7 @@ def _chunk_sums_in_place(chunk: torch.Tensor, row_max: torch.Tensor, local_targe
 def _fused_kernels():
     """The two chunk expressions compiled once per process (shape-specialised: a full chunk and the last,
     shorter one are two graphs each)."""
-    return torch.compile(_chunk_sums, dynamic=False), torch.compile(_chunk_grad, dynamic=False)
+    return torch.compile(_chunk_sums, dynamic=False), torch.compile(_chunk_grad_into, dynamic=False)
 
 
 class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
@@ -105,9 +113,8 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.fused:
             kernel = _fused_kernels()[1]
             for i in range(0, flat.shape[0], rows):
-                flat_grad[i : i + rows] = kernel(flat[i : i + rows], row_max[i : i + rows], sum_exp[i : i + rows],
-                                                 local_target[i : i + rows], hit[i : i + rows],
-                                                 flat_grad_loss[i : i + rows])
+                kernel(flat_grad[i : i + rows], flat[i : i + rows], row_max[i : i + rows], sum_exp[i : i + rows],
+                       local_target[i : i + rows], hit[i : i + rows], flat_grad_loss[i : i + rows])
             return grad, None, None, None
         for i in range(0, flat.shape[0], rows):
             softmax = _fp32_copy(flat[i : i + rows])

@@ -3,7 +3,7 @@ shape, for each precision and optimizer choice: which of them leaves the least m
 Counted on this machine's CPU; bytes do not depend on the device (times do).
 
     python tools/bench/memory_traffic.py [--model medium_grt_isoflops] [--seq 1024] [--batch 8]
-                                         [--accumulation 8] [--configs bf16,bf16-mixed+fused,...]
+                                         [--accumulation 8] [--configs bf16,bf16-mixed+fused,...] [--compile]
 
 Configs: `bf16` (DeepSpeed's BF16 optimizer over fp32 master weights, the paper recipe's default),
 `bf16-mixed` (fp32 weights, autocast, no master copy), each with `+fused` for `train.fused_adam=true`.
@@ -28,12 +28,20 @@ accumulation) and per sequence (activations, the loss) are solved from the two b
 batches must take the loss's path that `--batch` takes (one chunk of logits, or several: model/loss.py).
 The times are that many bytes at the H200's 4.8 TB/s: a floor, not a prediction. Prints a table and writes
 tools/bench/results/memory_traffic.json.
+
+`--compile` counts the same steps with `train.compile=true` (writes memory_traffic_compiled.json). The ops
+outside its graphs are counted as above. A compiled graph's fused kernels run no aten op, so each graph is
+counted as inductor lowers it (`InductorBytes`: each kernel's loads and stores, each buffer once) and added
+at every run; its extern kernels (matmuls, attention) run through the dispatcher as before. Inductor lowers
+for this CPU: its fusion choices for a GPU (Triton) may differ in places.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
+import inspect
 import sys
 import time
 import traceback
@@ -133,23 +141,124 @@ def _caller() -> str:
     return "?"
 
 
+_COUNTING: list["CountBytes"] = []
+"""The `CountBytes` modes entered, innermost last: where `InductorBytes` adds a compiled graph's run."""
+
+
 class CountBytes(TorchDispatchMode):
-    """Counts `op_bytes` of every op run inside it, by caller: `bytes`, `ops`, `by_caller`."""
+    """Counts `op_bytes` of every op run inside it, by caller: `bytes`, `ops`, `by_caller`; and, under
+    `InductorBytes`, the fused kernels of every compiled graph run inside it."""
 
     def __init__(self):
         super().__init__()
         self.bytes, self.ops = 0, 0
         self.by_caller: collections.Counter = collections.Counter()
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without this dynamo runs every compiled region eagerly while a dispatch mode is active, and the count
+        # would be eager's; with it the graphs run compiled, and the mode sees only their extern kernels.
+        return True
+
+    def __enter__(self):
+        _COUNTING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _COUNTING.remove(self)
+        return super().__exit__(*exc)
+
+    def add(self, n: int, caller: str, ops: int = 1) -> None:
+        self.bytes += n
+        self.ops += ops
+        self.by_caller[caller] += n
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         n = op_bytes(func, args, kwargs, out)
         if n:
-            self.bytes += n
-            self.ops += 1
-            self.by_caller[_caller()] += n
+            self.add(n, _caller())
         return out
+
+
+def kernel_bytes(graph) -> dict[str, int]:
+    """Inductor's count of what each fused kernel of lowered `graph` (a GraphLowering) reads and writes: each
+    buffer it loads from or stores to once, at most its size (the scheduler's own estimate,
+    `get_read_write_buffer_accesses`), its ordering-only dependencies left out: a kernel that stores into a
+    graph input (the loss's gradient chunk) has a dependency on the input but never loads it, and inductor's
+    estimate would count its bytes as read. Extern kernels (matmuls, attention, fallbacks to aten) are left
+    out: they run through the dispatcher, where `CountBytes` counts what is not compute."""
+    from torch._inductor.dependencies import MemoryDep
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+    from torch._inductor.virtualized import V
+
+    counts = {}
+    with V.set_graph_handler(graph):
+        for node in graph.scheduler.nodes:
+            if isinstance(node, (ExternKernelSchedulerNode, NopKernelSchedulerNode)):
+                continue
+            read_writes = node.read_writes  # the graph is built: its scheduler's state is ours to borrow
+            node.read_writes = dataclasses.replace(
+                read_writes, reads=type(read_writes.reads)(d for d in read_writes.reads if isinstance(d, MemoryDep)))
+            try:
+                counts[node.get_name()] = sum(node.get_read_write_buffer_accesses(include_reads=True,
+                                                                                  include_writes=True).values())
+            finally:
+                node.read_writes = read_writes
+    return counts
+
+
+class InductorBytes:
+    """While active, each graph torch.compile lowers records `kernel_bytes` (inductor's graph and AOT autograd
+    caches off: a graph loaded from them is not lowered, and its bytes would be unknown), and each run of a
+    compiled graph inside a `CountBytes` adds them there, charged to the frame that ran the forward graph (a
+    backward graph to its forward's frame). `lowered` counts the graphs lowered so far."""
+
+    def __init__(self):
+        self.lowered = 0
+        self.forward_callers: dict = {}
+
+    def __enter__(self):
+        from torch._inductor.output_code import CompiledFxGraph
+
+        self._configs = [torch._inductor.config.patch(fx_graph_cache=False),
+                         torch._functorch.config.patch(enable_autograd_cache=False)]
+        for config in self._configs:
+            config.__enter__()
+        init, call = CompiledFxGraph.__init__, CompiledFxGraph.__call__
+        self._originals = (CompiledFxGraph, init, call)
+        counter = self
+
+        def counted_init(compiled, *args, **kwargs):
+            init(compiled, *args, **kwargs)
+            compiled.grt_kernel_bytes = kernel_bytes(inspect.signature(init).bind(compiled, *args, **kwargs)
+                                                     .arguments["graph"])
+            counter.lowered += 1
+
+        def counted_call(compiled, inputs):
+            if _COUNTING:
+                kernels = getattr(compiled, "grt_kernel_bytes", None)
+                if kernels is None:
+                    raise RuntimeError("a compiled graph that was not lowered under InductorBytes ran: its bytes "
+                                       "are unknown (enter InductorBytes before the first compiled step)")
+                graph_id = compiled.fx_kwargs.get("graph_id")
+                if compiled.fx_kwargs["is_backward"]:
+                    caller = f"compiled backward: {counter.forward_callers.get(graph_id, '?')}"
+                else:
+                    counter.forward_callers[graph_id] = _caller()
+                    caller = f"compiled: {counter.forward_callers[graph_id]}"
+                _COUNTING[-1].add(sum(kernels.values()), caller, ops=len(kernels))
+            return call(compiled, inputs)
+
+        CompiledFxGraph.__init__, CompiledFxGraph.__call__ = counted_init, counted_call
+        return self
+
+    def __exit__(self, *exc):
+        compiled_fx_graph, init, call = self._originals
+        compiled_fx_graph.__init__, compiled_fx_graph.__call__ = init, call
+        for config in reversed(self._configs):
+            config.__exit__(*exc)
 
 
 def _minus(a: CountBytes, b: CountBytes) -> SimpleNamespace:
@@ -159,12 +268,14 @@ def _minus(a: CountBytes, b: CountBytes) -> SimpleNamespace:
     return SimpleNamespace(bytes=a.bytes - b.bytes, ops=a.ops - b.ops, by_caller=by_caller)
 
 
-def count_step(model: str, config: str, batch: int, seq: int, info) -> dict:
+def count_step(model: str, config: str, batch: int, seq: int, info, compile: bool = False) -> dict:
     """The bytes of a micro-batch of `batch` sequences after a step's first (`micro_batch`) and of a whole
     step of one micro-batch (`step_of_one`: with the optimizer step), through grt-train's own step
     (`parallelize` and the step runner's `train_step`, as tools/bench/overhead.py runs it) at the GPU
     check's vocabulary. A step of 2 micro-batches and one of 1 are counted, each after an uncounted step
-    (DeepSpeed and AdamW make their state in the first): a later micro-batch is their difference."""
+    (DeepSpeed and AdamW make their state in the first): a later micro-batch is their difference.
+    `compile`: with `train.compile=true`, its graphs lowered and counted by `InductorBytes` (each engine's
+    graphs its own: dynamo is reset after each)."""
     from grt_megatron.model import DepthDraw
     from tools.bench.overhead import framework_runner
 
@@ -173,15 +284,22 @@ def count_step(model: str, config: str, batch: int, seq: int, info) -> dict:
     counts = {}
     for accumulation in (1, 2):
         run = common.run_config(model, batch, precision, f"model.max_sequence_length={seq}",
-                                f"train.fused_adam={str(fused).lower()}", accumulation=accumulation)
+                                f"train.fused_adam={str(fused).lower()}", f"train.compile={str(compile).lower()}",
+                                accumulation=accumulation)
         model_cfg = run.model_config(VOCAB)
-        _, runner = framework_runner(run, model_cfg, info)
-        step_rows, seeds = rows.repeat(accumulation, 1), list(range(accumulation * batch))
-        draw = DepthDraw(model_cfg.recurrences, model_cfg.recurrences)
-        runner.train_step(step_rows, seeds, draw, 0)
-        with CountBytes() as counts[accumulation]:
-            runner.train_step(step_rows, seeds, draw, 1)
+        with InductorBytes() as inductor:
+            _, runner = framework_runner(run, model_cfg, info)
+            step_rows, seeds = rows.repeat(accumulation, 1), list(range(accumulation * batch))
+            draw = DepthDraw(model_cfg.recurrences, model_cfg.recurrences)
+            runner.train_step(step_rows, seeds, draw, 0)  # compiles, under train.compile
+            lowered = inductor.lowered
+            with CountBytes() as counts[accumulation]:
+                runner.train_step(step_rows, seeds, draw, 1)
+            if inductor.lowered != lowered:
+                raise SystemExit(f"{model}, {config}: the counted step compiled {inductor.lowered - lowered} more "
+                                 "graphs; a step's count would include what the first step had not built")
         del runner
+        torch._dynamo.reset()
         gc.collect()  # the engine sits in reference cycles; left to the collector, 24 GiB ran out
     return {"micro_batch": _minus(counts[2], counts[1]), "step_of_one": counts[1]}
 
@@ -213,7 +331,12 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--count-batches", default="2,3", help="the two micro-batch sizes counted")
     parser.add_argument("--rows", type=int, default=10, help="callers listed per config")
+    parser.add_argument("--compile", action="store_true",
+                        help="train.compile=true: its graphs' fused kernels counted by inductor "
+                             "(default output memory_traffic_compiled.json)")
     args = common.parse_args(parser, "memory_traffic")
+    if args.compile and args.output == parser.get_default("output"):
+        args.output = args.output.replace("memory_traffic.json", "memory_traffic_compiled.json")
     low, high = (int(b) for b in args.count_batches.split(","))
     check_loss_path(args.model, args.seq, (low, high, args.batch))
     torch.manual_seed(0)
@@ -223,7 +346,7 @@ def main() -> None:
         if config not in CONFIGS:
             raise SystemExit(f"--configs: {config!r} is not one of {', '.join(CONFIGS)}")
         start = time.perf_counter()
-        counted = {b: count_step(args.model, config, b, args.seq, info) for b in (low, high)}
+        counted = {b: count_step(args.model, config, b, args.seq, info, args.compile) for b in (low, high)}
         small, large = counted[low]["micro_batch"], counted[high]["micro_batch"]
         per_sequence = (large.bytes - small.bytes) / (high - low)
         fixed = small.bytes - low * per_sequence
@@ -249,8 +372,9 @@ def main() -> None:
                "top_callers": [[caller, n] for caller, n in callers.most_common(args.rows)],
                "seconds_to_count": time.perf_counter() - start}
         results.append(row)
-        print(f"\n{config}: {args.model}, seq {args.seq}; a step of {args.accumulation} × {args.batch} sequences "
-              f"moves {step / 1e9:.1f} GB ({row['step_ms_at_h200_bandwidth']:.1f} ms at 4.8 TB/s)")
+        mode = "compiled" if args.compile else "eager"
+        print(f"\n{config}, {mode}: {args.model}, seq {args.seq}; a step of {args.accumulation} × {args.batch} "
+              f"sequences moves {step / 1e9:.1f} GB ({row['step_ms_at_h200_bandwidth']:.1f} ms at 4.8 TB/s)")
         print(f"  a micro-batch: {fixed / 1e9:.2f} GB fixed + {per_sequence / 1e9:.3f} GB a sequence; "
               f"the rest of a step: {boundary / 1e9:.2f} GB (at batch {high}: {boundary_check / 1e9:.2f})")
         print(f"  the loss (model/loss.py, megatron's cross-entropy): {100 * row['loss_share']:.0f}% of the bytes")
@@ -265,6 +389,7 @@ def main() -> None:
     out = common.write_result(args.output, {**common.stamp("memory_traffic", with_torch=True), "model": args.model,
                                             "seq_length": args.seq, "batch": args.batch,
                                             "accumulation": args.accumulation, "vocab": VOCAB,
+                                            "compile": args.compile,
                                             "bandwidth_bytes_per_s": H200_BYTES_PER_S, **ratios,
                                             "results": results})
     print(f"\nwrote {out}")
