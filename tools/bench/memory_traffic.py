@@ -153,6 +153,7 @@ class CountBytes(TorchDispatchMode):
         super().__init__()
         self.bytes, self.ops = 0, 0
         self.by_caller: collections.Counter = collections.Counter()
+        self.graph_runs: collections.Counter = collections.Counter()  # compiled graphs' runs, by caller
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -249,6 +250,7 @@ class InductorBytes:
                     counter.forward_callers[graph_id] = _caller()
                     caller = f"compiled: {counter.forward_callers[graph_id]}"
                 _COUNTING[-1].add(sum(kernels.values()), caller, ops=len(kernels))
+                _COUNTING[-1].graph_runs[caller] += 1
             return call(compiled, inputs)
 
         CompiledFxGraph.__init__, CompiledFxGraph.__call__ = counted_init, counted_call
@@ -263,9 +265,10 @@ class InductorBytes:
 
 def _minus(a: CountBytes, b: CountBytes) -> SimpleNamespace:
     """What `a` counted beyond `b`: bytes, ops and bytes by caller."""
-    by_caller = collections.Counter(a.by_caller)
+    by_caller, graph_runs = collections.Counter(a.by_caller), collections.Counter(a.graph_runs)
     by_caller.subtract(b.by_caller)
-    return SimpleNamespace(bytes=a.bytes - b.bytes, ops=a.ops - b.ops, by_caller=by_caller)
+    graph_runs.subtract(b.graph_runs)
+    return SimpleNamespace(bytes=a.bytes - b.bytes, ops=a.ops - b.ops, by_caller=by_caller, graph_runs=graph_runs)
 
 
 def count_step(model: str, config: str, batch: int, seq: int, info, compile: bool = False) -> dict:
@@ -357,7 +360,8 @@ def main() -> None:
         step = args.accumulation * micro + boundary
         callers = collections.Counter()
         # Each caller's bytes at --batch, extrapolated linearly from the two counts as the totals are.
-        for b, weight in ((low, (high - args.batch) / (high - low)), (high, (args.batch - low) / (high - low))):
+        weights = ((low, (high - args.batch) / (high - low)), (high, (args.batch - low) / (high - low)))
+        for b, weight in weights:
             for caller, n in counted[b]["micro_batch"].by_caller.items():
                 callers[caller] += weight * n * args.accumulation
             for caller, n in counted[b]["step_of_one"].by_caller.items():
@@ -370,6 +374,10 @@ def main() -> None:
                "ops_per_micro_batch": {str(low): small.ops, str(high): large.ops},
                "loss_share": sum(n for caller, n in callers.items() if is_loss(caller)) / step,
                "top_callers": [[caller, n] for caller, n in callers.most_common(args.rows)],
+               # each compiled graph's bytes a run at --batch, and its runs a micro-batch (after the first)
+               "compiled_graphs": {caller: {"runs_per_micro_batch": runs, "bytes_per_run": sum(
+                   weight * counted[b]["micro_batch"].by_caller[caller] for b, weight in weights) / runs}
+                   for caller, runs in small.graph_runs.items() if runs > 0},
                "seconds_to_count": time.perf_counter() - start}
         results.append(row)
         mode = "compiled" if args.compile else "eager"
@@ -380,6 +388,9 @@ def main() -> None:
         print(f"  the loss (model/loss.py, megatron's cross-entropy): {100 * row['loss_share']:.0f}% of the bytes")
         for caller, n in row["top_callers"]:
             print(f"  {n / 1e9:9.2f} GB  {caller}")
+        for caller, graph in sorted(row["compiled_graphs"].items(), key=lambda item: -item[1]["bytes_per_run"]):
+            print(f"  {graph['bytes_per_run'] / 1e9:9.3f} GB a run, {graph['runs_per_micro_batch']:3d} runs a "
+                  f"micro-batch: {caller}")
     by_name = {row["config"]: row for row in results}
     ratios = {f"{name.replace('-', '_').replace('+', '_')}_over_bf16_step_bytes":
               row["step_bytes"] / by_name["bf16"]["step_bytes"]
