@@ -328,6 +328,23 @@ def check_loss_path(model: str, seq: int, batches: tuple[int, ...], compile: boo
                          f"{[b for b, one in one_chunk.items() if not one]} do not; count batches on the same side")
 
 
+def compiled_graphs(counted: dict, weights: tuple) -> dict:
+    """Each compiled graph's runs a micro-batch (after the first) at the counted batches and its bytes a run:
+    a layer's or the recurrence step's at --batch, extrapolated with `weights` as the totals are; the loss's
+    at each counted batch (its chunks are more in a larger batch, and a chunk's bytes do not grow with it)."""
+    graphs = {}
+    for caller in {c for b, _ in weights for c, runs in counted[b]["micro_batch"].graph_runs.items() if runs > 0}:
+        runs = {b: counted[b]["micro_batch"].graph_runs[caller] for b, _ in weights}
+        bytes_at = {b: counted[b]["micro_batch"].by_caller[caller] for b, _ in weights}
+        graph = {"runs_per_micro_batch": {str(b): r for b, r in runs.items()}}
+        if len(set(runs.values())) == 1 and not is_loss(caller):
+            graph["bytes_per_run"] = sum(weight * bytes_at[b] for b, weight in weights) / next(iter(runs.values()))
+        else:
+            graph["bytes_per_run_at_counted_batches"] = {str(b): bytes_at[b] / runs[b] for b in runs if runs[b]}
+        graphs[caller] = graph
+    return graphs
+
+
 def main() -> None:
     parser = common.argument_parser(__doc__)
     parser.add_argument("--model", default="medium_grt_isoflops")
@@ -377,10 +394,7 @@ def main() -> None:
                "ops_per_micro_batch": {str(low): small.ops, str(high): large.ops},
                "loss_share": sum(n for caller, n in callers.items() if is_loss(caller)) / step,
                "top_callers": [[caller, n] for caller, n in callers.most_common(args.rows)],
-               # each compiled graph's bytes a run at --batch, and its runs a micro-batch (after the first)
-               "compiled_graphs": {caller: {"runs_per_micro_batch": runs, "bytes_per_run": sum(
-                   weight * counted[b]["micro_batch"].by_caller[caller] for b, weight in weights) / runs}
-                   for caller, runs in small.graph_runs.items() if runs > 0},
+               "compiled_graphs": compiled_graphs(counted, weights),
                "seconds_to_count": time.perf_counter() - start}
         results.append(row)
         mode = "compiled" if args.compile else "eager"
@@ -391,9 +405,10 @@ def main() -> None:
         print(f"  the loss (model/loss.py, megatron's cross-entropy): {100 * row['loss_share']:.0f}% of the bytes")
         for caller, n in row["top_callers"]:
             print(f"  {n / 1e9:9.2f} GB  {caller}")
-        for caller, graph in sorted(row["compiled_graphs"].items(), key=lambda item: -item[1]["bytes_per_run"]):
-            print(f"  {graph['bytes_per_run'] / 1e9:9.3f} GB a run, {graph['runs_per_micro_batch']:3d} runs a "
-                  f"micro-batch: {caller}")
+        for caller, graph in sorted(row["compiled_graphs"].items(), key=lambda item: -item[1].get("bytes_per_run", 0)):
+            if "bytes_per_run" in graph:
+                print(f"  {graph['bytes_per_run'] / 1e9:9.3f} GB a run, {max(graph['runs_per_micro_batch'].values())}"
+                      f" runs a micro-batch: {caller}")
     by_name = {row["config"]: row for row in results}
     ratios = {f"{name.replace('-', '_').replace('+', '_')}_over_bf16_step_bytes":
               row["step_bytes"] / by_name["bf16"]["step_bytes"]
