@@ -70,8 +70,8 @@ def _chunk_sums_in_place(chunk: torch.Tensor, row_max: torch.Tensor, local_targe
 
 @functools.cache
 def _fused_kernels():
-    """The two chunk expressions compiled once per process (shape-specialised: a full chunk and the last,
-    shorter one are two graphs each)."""
+    """The two chunk expressions compiled once per process, the sums and the gradient stored in place
+    (shape-specialised: a full chunk and the last, shorter one are two graphs each)."""
     return torch.compile(_chunk_sums, dynamic=False), torch.compile(_chunk_grad_into, dynamic=False)
 
 

@@ -328,7 +328,7 @@ def check_loss_path(model: str, seq: int, batches: tuple[int, ...], compile: boo
                          f"{[b for b, one in one_chunk.items() if not one]} do not; count batches on the same side")
 
 
-def compiled_graphs(counted: dict, weights: tuple) -> dict:
+def graph_bytes_per_run(counted: dict, weights: tuple) -> dict:
     """Each compiled graph's runs a micro-batch (after the first) at the counted batches and its bytes a run:
     a layer's or the recurrence step's at --batch, extrapolated with `weights` as the totals are; the loss's
     at each counted batch (its chunks are more in a larger batch, and a chunk's bytes do not grow with it)."""
@@ -394,7 +394,7 @@ def main() -> None:
                "ops_per_micro_batch": {str(low): small.ops, str(high): large.ops},
                "loss_share": sum(n for caller, n in callers.items() if is_loss(caller)) / step,
                "top_callers": [[caller, n] for caller, n in callers.most_common(args.rows)],
-               "compiled_graphs": compiled_graphs(counted, weights),
+               "compiled_graphs": graph_bytes_per_run(counted, weights),
                "seconds_to_count": time.perf_counter() - start}
         results.append(row)
         mode = "compiled" if args.compile else "eager"
